@@ -1,0 +1,36 @@
+"""Breakable graph capture: eager-region strategies, captures, backends and audits.
+
+Imports torch only; never resolves a platform.
+"""
+
+from graphs.capture import BreakableCapture
+from graphs.eager_break import eager_break_during_capture
+from graphs.errors import BackendUnavailableError, CaptureAuditError, CaptureError
+from graphs.forward_context import ForwardContext, forward_context, get_forward_context
+from graphs.strategies import (
+    STRATEGIES,
+    EagerRegionStrategy,
+    FullGraph,
+    NarrowRegion,
+    NoGraph,
+    WideRegion,
+    strategy_from_name,
+)
+
+__all__ = [
+    "STRATEGIES",
+    "BackendUnavailableError",
+    "BreakableCapture",
+    "CaptureAuditError",
+    "CaptureError",
+    "EagerRegionStrategy",
+    "ForwardContext",
+    "FullGraph",
+    "NarrowRegion",
+    "NoGraph",
+    "WideRegion",
+    "eager_break_during_capture",
+    "forward_context",
+    "get_forward_context",
+    "strategy_from_name",
+]

@@ -1,0 +1,203 @@
+"""Breakable capture: a forward pass recorded as graph segments separated by eager breaks.
+
+Use::
+
+    with BreakableCapture(device=device) as capture:
+        out = model(static_inputs)        # graph, eager, graph, ... as the breaks fall
+    ...                                   # overwrite the static inputs in place
+    capture.replay()                      # `out` now holds the result for the new inputs
+
+Invariants:
+- Segments alternate graph / eager in issue order, except that a graph stretch that recorded no
+  work is dropped (two breaks back to back give two adjacent eager segments). ``replay`` runs
+  them in that order. ``num_graphs`` and ``num_eager_breaks`` count them.
+- An eager segment re-runs its function with the very arguments it was captured with; its return
+  value is discarded on replay, so eager work must write into caller-provided output buffers.
+- With ``full=True`` breaks run inline and their work is captured (a FULL graph).
+- The capture is thread-local; entering one while another is active in the thread raises
+  ``CaptureError``; leaving the context, normally or by exception, always clears it.
+- A capture that raised, or that recorded nothing, cannot be replayed (``CaptureError``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, TypeVar
+
+import attrs
+import torch
+
+from graphs import _active
+from graphs.backend import GraphBackend, GraphSegment
+from graphs.errors import CaptureError
+
+__all__ = ["BreakableCapture", "EagerSegment", "backend_for_device"]
+
+R = TypeVar("R")
+
+
+@attrs.frozen
+class EagerSegment:
+    """An eager break recorded at capture, re-run on every replay."""
+
+    fn: Callable[..., Any]
+    held_args: tuple[Any, ...]
+    held_kwargs: dict[str, Any]
+    backend: GraphBackend
+
+    def replay(self) -> None:
+        args = tuple(self.backend.release(a) for a in self.held_args)
+        kwargs = {k: self.backend.release(v) for k, v in self.held_kwargs.items()}
+        self.fn(*args, **kwargs)
+
+    @property
+    def label(self) -> str:
+        return getattr(self.fn, "__qualname__", repr(self.fn))
+
+
+def backend_for_device(device: torch.device | str) -> GraphBackend:
+    """The graph backend for ``device``: the CUDA graph backend on CUDA, the op tape on the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        from graphs.cuda_backend import CudaGraphBackend
+
+        return CudaGraphBackend(device=device)
+    if device.type == "cpu":
+        from graphs.tape import TapeBackend
+
+        return TapeBackend()
+    raise CaptureError(f"no graph backend for device type {device.type!r} (expected cpu or cuda)")
+
+
+class BreakableCapture:
+    """Context manager that records a forward pass into graph and eager segments."""
+
+    def __init__(
+        self,
+        backend: GraphBackend | None = None,
+        *,
+        device: torch.device | str = "cpu",
+        full: bool = False,
+    ) -> None:
+        self.backend: GraphBackend = backend if backend is not None else backend_for_device(device)
+        self.full = full
+        self._segments: list[GraphSegment | EagerSegment] = []
+        self._capturing = False
+        self._state = "new"  # new -> capturing -> done | failed
+
+    # -- context ---------------------------------------------------------------------------
+    def __enter__(self) -> BreakableCapture:
+        if self._state != "new":
+            raise CaptureError("a BreakableCapture can be entered only once")
+        _active.activate(self)
+        self._state = "capturing"
+        try:
+            self._begin_graph()
+        except BaseException:
+            _active.deactivate(self)
+            self._state = "failed"
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            if exc is None:
+                self._end_graph()
+                self._state = "done"
+            else:
+                self._abort()
+        except BaseException:
+            self._abort()
+            raise
+        finally:
+            _active.deactivate(self)
+
+    # -- used by eager_break_during_capture -------------------------------------------------
+    def breaks_here(self) -> bool:
+        """True when a call to an eager break must become its own eager segment now."""
+        return self._capturing and not self.full
+
+    def add_eager(self, fn: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
+        """End the current graph segment, run ``fn`` for real, record it, begin the next one."""
+        self._end_graph()
+        result = fn(*args, **kwargs)
+        self._segments.append(
+            EagerSegment(
+                fn=fn,
+                held_args=tuple(self.backend.hold(a) for a in args),
+                held_kwargs={k: self.backend.hold(v) for k, v in kwargs.items()},
+                backend=self.backend,
+            )
+        )
+        self._begin_graph()
+        return result
+
+    # -- replay and introspection -------------------------------------------------------------
+    def replay(self) -> None:
+        """Run every segment in capture order."""
+        if self._state != "done":
+            raise CaptureError(f"cannot replay a capture that is {self._state_words()}")
+        if not self._segments:
+            raise CaptureError("cannot replay an empty capture: nothing was recorded")
+        for segment in self._segments:
+            segment.replay()
+
+    @property
+    def capturing(self) -> bool:
+        """True while a graph segment is recording (false inside an eager segment)."""
+        return self._capturing
+
+    @property
+    def segments(self) -> tuple[GraphSegment | EagerSegment, ...]:
+        return tuple(self._segments)
+
+    @property
+    def num_graphs(self) -> int:
+        return sum(not isinstance(s, EagerSegment) for s in self._segments)
+
+    @property
+    def num_eager_breaks(self) -> int:
+        return sum(isinstance(s, EagerSegment) for s in self._segments)
+
+    @property
+    def layout(self) -> str:
+        """Segment kinds in order, e.g. ``"GEG"`` (G graph, E eager)."""
+        return "".join("E" if isinstance(s, EagerSegment) else "G" for s in self._segments)
+
+    def __repr__(self) -> str:
+        return (
+            f"BreakableCapture(backend={self.backend.name}, full={self.full}, "
+            f"state={self._state}, num_graphs={self.num_graphs}, "
+            f"num_eager_breaks={self.num_eager_breaks}, layout={self.layout!r})"
+        )
+
+    # -- internals ----------------------------------------------------------------------------
+    def _begin_graph(self) -> None:
+        self.backend.begin_segment()
+        self._capturing = True
+
+    def _end_graph(self) -> None:
+        self._capturing = False
+        segment = self.backend.end_segment()
+        if segment is not None:
+            self._segments.append(segment)
+
+    def _abort(self) -> None:
+        if self._capturing:
+            self._capturing = False
+            self.backend.abort_segment()
+        self._segments.clear()
+        self._state = "failed"
+
+    def _state_words(self) -> str:
+        return {
+            "new": "not yet captured",
+            "capturing": "still capturing",
+            "failed": "failed (it raised while capturing)",
+        }.get(self._state, self._state)
