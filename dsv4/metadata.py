@@ -1,0 +1,160 @@
+"""Attention metadata of one step: how each token of the batch addresses the paged caches.
+
+The layout is chosen so that every tensor's shape depends only on the (padded) token count and on
+constants of the cache (rows, blocks per row, block size). Hence anything the model derives from
+metadata (window slots, compressed-entry slots, visibility masks) can be computed with tensor ops
+of static shape, without a host sync, and captured.
+
+Invariants:
+- ``token_request[t]`` is the block-table row of token t; padded tokens use row 0 and have
+  ``slot_mapping[t] == -1``: they write nothing, and their outputs are never read.
+- ``slot_mapping[t] == block_table[row, pos // block_size] * block_size + pos % block_size`` for
+  every real token t at position ``pos`` of its request.
+- ``block_table`` is always the full ``[max_rows, max_blocks_per_row]`` table; unused entries are
+  0 and are never read for a visible position.
+
+Two ways to build it, one per runner policy:
+- ``new_metadata``: fresh tensors every step (V1; not address-stable).
+- ``MetadataBuffers.write``: rewrite persistent buffers in place and return views of them (V2;
+  address-stable, so captured work that reads them stays correct on replay).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+__all__ = ["AttentionMetadata", "MetadataBuffers", "ScheduledChunk", "new_metadata"]
+
+
+@attrs.frozen(kw_only=True)
+class ScheduledChunk:
+    """Host-side description of one request's tokens in this step."""
+
+    row: int
+    """Block-table row that holds this request (stable while the request lives)."""
+    block_ids: tuple[int, ...]
+    """Cache blocks owned by the request, in order; must cover every position written."""
+    start_position: int
+    """Position of the first token of this chunk (= tokens already in the cache)."""
+    num_tokens: int
+
+    @num_tokens.validator
+    def _positive(self, _: attrs.Attribute[int], value: int) -> None:
+        if value <= 0:
+            raise ValueError(f"a scheduled chunk must contain at least one token, got {value}")
+
+
+@attrs.frozen(kw_only=True)
+class AttentionMetadata:
+    """Per-step metadata the attention layers read from the forward context."""
+
+    token_request: torch.Tensor
+    """``[T]`` int64: block-table row of each token."""
+    slot_mapping: torch.Tensor
+    """``[T]`` int64: flat cache slot each token is written to; -1 writes nothing."""
+    block_table: torch.Tensor
+    """``[max_rows, max_blocks_per_row]`` int64: cache blocks of each row."""
+    block_size: int
+    """Tokens per cache block (a host constant of the cache, never of the step)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_request.shape[0])
+
+
+def _host_rows(
+    chunks: Sequence[ScheduledChunk], num_tokens: int, block_size: int, max_blocks: int
+) -> tuple[list[int], list[int], list[int]]:
+    """Token rows, slots and positions (padding: row 0, slot -1, position 0)."""
+    rows: list[int] = []
+    slots: list[int] = []
+    positions: list[int] = []
+    for chunk in chunks:
+        for pos in range(chunk.start_position, chunk.start_position + chunk.num_tokens):
+            block = pos // block_size
+            if block >= len(chunk.block_ids) or block >= max_blocks:
+                raise ValueError(
+                    f"position {pos} of row {chunk.row} is not covered by its "
+                    f"{len(chunk.block_ids)} cache blocks (block size {block_size}, "
+                    f"at most {max_blocks} blocks per row)"
+                )
+            rows.append(chunk.row)
+            slots.append(chunk.block_ids[block] * block_size + pos % block_size)
+            positions.append(pos)
+    if len(rows) > num_tokens:
+        raise ValueError(f"{len(rows)} scheduled tokens exceed the padded size {num_tokens}")
+    pad = num_tokens - len(rows)
+    return rows + [0] * pad, slots + [-1] * pad, positions + [0] * pad
+
+
+def _host_table(chunks: Sequence[ScheduledChunk], max_rows: int, max_blocks: int) -> torch.Tensor:
+    table = torch.zeros(max_rows, max_blocks, dtype=torch.int64)
+    for chunk in chunks:
+        if not 0 <= chunk.row < max_rows:
+            raise ValueError(f"row {chunk.row} outside the block table's {max_rows} rows")
+        ids = chunk.block_ids[:max_blocks]
+        table[chunk.row, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+    return table
+
+
+def new_metadata(
+    chunks: Sequence[ScheduledChunk],
+    *,
+    num_tokens: int,
+    block_size: int,
+    max_rows: int,
+    max_blocks: int,
+    device: torch.device | str = "cpu",
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Build metadata as fresh tensors; also return the ``[T]`` positions."""
+    rows, slots, positions = _host_rows(chunks, num_tokens, block_size, max_blocks)
+    metadata = AttentionMetadata(
+        token_request=torch.tensor(rows, dtype=torch.int64, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_table=_host_table(chunks, max_rows, max_blocks).to(device),
+        block_size=block_size,
+    )
+    return metadata, torch.tensor(positions, dtype=torch.int64, device=device)
+
+
+class MetadataBuffers:
+    """Persistent metadata buffers rewritten in place every step (address-stable)."""
+
+    def __init__(
+        self,
+        *,
+        max_tokens: int,
+        block_size: int,
+        max_rows: int,
+        max_blocks: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.block_size = block_size
+        self.max_rows = max_rows
+        self.max_blocks = max_blocks
+        self.token_request = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+        self.block_table = torch.zeros(max_rows, max_blocks, dtype=torch.int64, device=device)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every persistent buffer (to register as static memory for capture audits)."""
+        return (self.token_request, self.slot_mapping, self.block_table)
+
+    def write(
+        self, chunks: Sequence[ScheduledChunk], *, num_tokens: int, positions_out: torch.Tensor
+    ) -> AttentionMetadata:
+        """Rewrite the buffers for this step; write positions into ``positions_out[:T]``."""
+        rows, slots, positions = _host_rows(chunks, num_tokens, self.block_size, self.max_blocks)
+        self.token_request[:num_tokens].copy_(torch.tensor(rows, dtype=torch.int64))
+        self.slot_mapping[:num_tokens].copy_(torch.tensor(slots, dtype=torch.int64))
+        self.block_table.copy_(_host_table(chunks, self.max_rows, self.max_blocks))
+        positions_out[:num_tokens].copy_(torch.tensor(positions, dtype=torch.int64))
+        return AttentionMetadata(
+            token_request=self.token_request[:num_tokens],
+            slot_mapping=self.slot_mapping[:num_tokens],
+            block_table=self.block_table,
+            block_size=self.block_size,
+        )
