@@ -39,12 +39,7 @@ class ScheduledChunk:
     """Cache blocks owned by the request, in order; must cover every position written."""
     start_position: int
     """Position of the first token of this chunk (= tokens already in the cache)."""
-    num_tokens: int
-
-    @num_tokens.validator
-    def _positive(self, _: attrs.Attribute[int], value: int) -> None:
-        if value <= 0:
-            raise ValueError(f"a scheduled chunk must contain at least one token, got {value}")
+    num_tokens: int = attrs.field(validator=attrs.validators.gt(0))
 
 
 @attrs.frozen(kw_only=True)
