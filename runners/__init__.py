@@ -1,0 +1,43 @@
+"""Model runners: persistent inputs, capture sizes and dispatch, graph modes, and resolution.
+
+``resolve`` turns (architecture, platform, user overrides) into a ``Resolution`` whose runner
+class, graph modes and eager region follow DESIGN §3, with a reason for every choice.
+Imports ``graphs``, ``platforms`` and ``dsv4``; nothing is resolved at import time.
+"""
+
+from runners.base import CacheLayout, ModelRunner
+from runners.batch import DEFAULT_CAPTURE_SIZES, BatchDescriptor
+from runners.errors import (
+    CaptureSizeError,
+    ResolutionError,
+    RunnerInputError,
+    UnknownEagerRegionError,
+    UnknownModeError,
+    UnknownRunnerError,
+    UnsafeRegionError,
+)
+from runners.modes import CUDAGraphMode
+from runners.resolution import DEFAULT_V2_ARCHITECTURES, RUNNER_ENV, Resolution, resolve
+from runners.v1 import ModelRunnerV1
+from runners.v2 import ModelRunnerV2
+
+__all__ = [
+    "DEFAULT_CAPTURE_SIZES",
+    "DEFAULT_V2_ARCHITECTURES",
+    "RUNNER_ENV",
+    "BatchDescriptor",
+    "CUDAGraphMode",
+    "CacheLayout",
+    "CaptureSizeError",
+    "ModelRunner",
+    "ModelRunnerV1",
+    "ModelRunnerV2",
+    "Resolution",
+    "ResolutionError",
+    "RunnerInputError",
+    "UnknownEagerRegionError",
+    "UnknownModeError",
+    "UnknownRunnerError",
+    "UnsafeRegionError",
+    "resolve",
+]

@@ -1,0 +1,68 @@
+"""``CudaPlatform``: NVIDIA GPUs through CUDA graphs.
+
+CUDA graphs replay captured kernels against fixed addresses, so the platform itself requires no
+eager region (FULL graphs are possible wherever the runner allows them) and excludes nothing from
+the ``ModelRunnerV2`` default.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from graphs.backend import GraphBackend
+from graphs.strategies import EagerRegionStrategy, FullGraph
+from platforms.base import Platform
+
+__all__ = ["CudaPlatform", "cuda_graph_backend", "cuda_graph_pool"]
+
+
+def cuda_graph_pool() -> Any:
+    """A fresh CUDA graph memory pool handle (shared by every capture of one platform)."""
+    return torch.cuda.graph_pool_handle()
+
+
+def cuda_graph_backend(device: torch.device, pool: Any) -> GraphBackend:
+    """The CUDA graph backend on ``device`` recording into ``pool`` (imported lazily)."""
+    from graphs.cuda_backend import CudaGraphBackend
+
+    return CudaGraphBackend(device=device, pool=pool)
+
+
+class CudaPlatform(Platform):
+    """NVIDIA CUDA: available when torch sees a GPU and is not a ROCm (HIP) build."""
+
+    @property
+    def name(self) -> str:
+        return "cuda"
+
+    @property
+    def device_type(self) -> str:
+        return "cuda"
+
+    def is_available(self) -> bool:
+        return torch.version.hip is None and torch.cuda.is_available()
+
+    def unavailable_reason(self) -> str:
+        if torch.version.hip is not None:
+            return "this torch is a ROCm build; use the rocm platform"
+        return "torch sees no CUDA GPU"
+
+    @property
+    def eager_region_strategy(self) -> EagerRegionStrategy:
+        return FullGraph()
+
+    @property
+    def eager_region_reason(self) -> str:
+        return "platform cuda requires nothing: CUDA graphs replay against fixed addresses"
+
+    @property
+    def v2_excluded_architectures(self) -> frozenset[str]:
+        return frozenset()
+
+    def create_memory_pool(self) -> Any:
+        return cuda_graph_pool()
+
+    def create_graph_backend(self, pool: Any) -> GraphBackend:
+        return cuda_graph_backend(self.device, pool)

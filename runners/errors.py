@@ -1,0 +1,42 @@
+"""Exception types of resolution and of the model runners; each message is one actionable line."""
+
+from __future__ import annotations
+
+__all__ = [
+    "CaptureSizeError",
+    "ResolutionError",
+    "RunnerInputError",
+    "UnknownEagerRegionError",
+    "UnknownModeError",
+    "UnknownRunnerError",
+    "UnsafeRegionError",
+]
+
+
+class ResolutionError(ValueError):
+    """A (platform, runner, mode, region) request that cannot be resolved."""
+
+
+class UnknownRunnerError(ResolutionError):
+    """A runner name other than ``auto``, ``v1`` or ``v2`` (argument or ``DSV4_RUNNER``)."""
+
+
+class UnknownModeError(ResolutionError):
+    """A graph-mode name that is not a ``CUDAGraphMode`` member (or ``auto``)."""
+
+
+class UnknownEagerRegionError(ResolutionError):
+    """An eager-region name that is not one of the four strategies (or ``auto``)."""
+
+
+class UnsafeRegionError(ResolutionError):
+    """An eager region narrower than the platform, runner and mode require, without the unsafe
+    flag. Capturing it would replay metadata-dependent work against stale memory."""
+
+
+class CaptureSizeError(ValueError):
+    """Capture sizes that are empty, non-positive or larger than the runner's token budget."""
+
+
+class RunnerInputError(ValueError):
+    """A step handed to a runner that does not fit it (token counts, rows, blocks, budget)."""

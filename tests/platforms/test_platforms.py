@@ -1,0 +1,197 @@
+"""The built-in platforms, the ``Platform`` ABC, ``simulate`` and the registry's lookups."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from graphs import FullGraph, WideRegion
+from graphs.backend import GraphBackend
+from graphs.strategies import EagerRegionStrategy
+from platforms import (
+    CpuPlatform,
+    CudaPlatform,
+    Platform,
+    PlatformRegistrationError,
+    PlatformRegistry,
+    PlatformUnavailableError,
+    RocmPlatform,
+    UnknownPlatformError,
+    current_platform,
+    get_platform,
+    register_platform,
+    simulate,
+    unregister_platform,
+)
+
+
+class OfflinePlatform(Platform):
+    """A platform whose device is never present; requires the wide region."""
+
+    @property
+    def name(self) -> str:
+        return "offline"
+
+    @property
+    def device_type(self) -> str:
+        return "cuda"
+
+    def is_available(self) -> bool:
+        return False
+
+    def unavailable_reason(self) -> str:
+        return "the offline accelerator is unplugged"
+
+    @property
+    def eager_region_strategy(self) -> EagerRegionStrategy:
+        return WideRegion()
+
+    @property
+    def v2_excluded_architectures(self) -> frozenset[str]:
+        return frozenset({"DeepseekV4ForCausalLM"})
+
+    def create_memory_pool(self) -> Any:
+        raise AssertionError("never called on an unavailable platform")
+
+    def create_graph_backend(self, pool: Any) -> GraphBackend:
+        raise AssertionError("never called on an unavailable platform")
+
+
+def test_builtin_policies() -> None:
+    cuda, rocm, cpu = CudaPlatform(), RocmPlatform(), CpuPlatform()
+    assert (cuda.name, rocm.name, cpu.name) == ("cuda", "rocm", "cpu")
+    # ROCm builds of torch report the device type "cuda".
+    assert (cuda.device_type, rocm.device_type, cpu.device_type) == ("cuda", "cuda", "cpu")
+    for platform in (cuda, rocm, cpu):
+        assert platform.eager_region_strategy == FullGraph()
+        assert platform.name in platform.eager_region_reason
+    assert rocm.v2_excluded_architectures == frozenset({"DeepseekV4ForCausalLM"})
+    assert cuda.v2_excluded_architectures == cpu.v2_excluded_architectures == frozenset()
+    assert "faster" in rocm.v2_exclusion_reason("DeepseekV4ForCausalLM")
+
+
+def test_availability_follows_this_torch_build() -> None:
+    gpu = torch.cuda.is_available()
+    hip = torch.version.hip is not None
+    assert CpuPlatform().is_available()
+    assert CudaPlatform().is_available() == (gpu and not hip)
+    assert RocmPlatform().is_available() == (gpu and hip)
+
+
+def test_cpu_platform_hands_out_tape_backends_sharing_one_pool() -> None:
+    from graphs.tape import TapeBackend
+
+    cpu = CpuPlatform()
+    assert isinstance(cpu.graph_backend(), TapeBackend)
+    assert cpu.memory_pool is cpu.memory_pool
+    assert cpu.device == torch.device("cpu")
+
+
+def test_abstract_members_are_enforced_at_instantiation() -> None:
+    class Incomplete(Platform):
+        @property
+        def name(self) -> str:
+            return "incomplete"
+
+    with pytest.raises(TypeError, match="abstract"):
+        Incomplete()  # type: ignore[abstract]
+
+
+def test_unavailable_platform_refuses_a_backend_and_suggests_simulation() -> None:
+    offline = OfflinePlatform()
+    with pytest.raises(PlatformUnavailableError, match=r"unplugged.*simulate"):
+        offline.graph_backend()
+    with pytest.raises(PlatformUnavailableError, match="offline"):
+        offline.require_available()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_gpu_platforms_are_unavailable_here_without_simulation() -> None:
+    for name in ("cuda", "rocm"):
+        with pytest.raises(PlatformUnavailableError, match=f"{name}.*simulate"):
+            get_platform(name).graph_backend()
+
+
+def test_simulate_keeps_the_policy_and_runs_on_the_cpu_tape() -> None:
+    from graphs.tape import TapeBackend
+
+    offline = OfflinePlatform()
+    sim = simulate(offline)
+    assert sim.simulated and not offline.simulated
+    assert sim.name == "offline"
+    assert sim.eager_region_strategy == WideRegion()
+    assert sim.v2_excluded_architectures == offline.v2_excluded_architectures
+    assert sim.eager_region_reason == offline.eager_region_reason
+    assert sim.is_available()
+    assert sim.device == torch.device("cpu")
+    assert isinstance(sim.graph_backend(), TapeBackend)
+    assert simulate(sim) == sim  # idempotent
+    assert sim != offline
+
+
+def test_platform_objects_compare_by_class_and_name() -> None:
+    assert get_platform("rocm") == RocmPlatform()
+    assert get_platform("rocm") is not get_platform("rocm")  # fresh objects, nothing cached
+    assert CudaPlatform() != RocmPlatform()
+    assert len({CudaPlatform(), CudaPlatform(), CpuPlatform()}) == 2
+
+
+def test_unknown_platform_lists_the_registered_names() -> None:
+    with pytest.raises(UnknownPlatformError, match=r"'tpu'.*cpu, cuda, rocm"):
+        get_platform("tpu")
+
+
+def test_register_platform_adds_a_name_and_refuses_a_duplicate() -> None:
+    assert register_platform(OfflinePlatform) is OfflinePlatform
+    try:
+        assert get_platform("offline") == OfflinePlatform()
+        with pytest.raises(PlatformRegistrationError, match="already registered"):
+            register_platform(OfflinePlatform)
+    finally:
+        unregister_platform("offline")
+    with pytest.raises(UnknownPlatformError):
+        get_platform("offline")
+
+
+def test_register_refuses_what_is_not_a_platform() -> None:
+    with pytest.raises(PlatformRegistrationError, match="not a subclass"):
+        PlatformRegistry().register(int)  # type: ignore[type-var]
+
+
+def test_current_platform_honours_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSV4_PLATFORM", "cpu")
+    assert current_platform() == CpuPlatform()
+    monkeypatch.setenv("DSV4_PLATFORM", "tpu")
+    with pytest.raises(UnknownPlatformError, match="tpu"):
+        current_platform()
+
+
+def test_current_platform_refuses_an_unavailable_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    registry = PlatformRegistry((CpuPlatform, OfflinePlatform))
+    with pytest.raises(PlatformUnavailableError, match="offline"):
+        registry.current({"DSV4_PLATFORM": "offline"})
+
+
+def test_current_platform_is_decided_on_each_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DSV4_PLATFORM", raising=False)
+    detected = current_platform()
+    assert detected.is_available()
+    if not torch.cuda.is_available():
+        assert detected == CpuPlatform()
+    monkeypatch.setenv("DSV4_PLATFORM", "cpu")
+    assert current_platform() == CpuPlatform()  # no cache to clear in between
+
+
+def test_registered_out_of_tree_platform_wins_detection_when_available() -> None:
+    class Accel(CpuPlatform):
+        @property
+        def name(self) -> str:
+            return "accel"
+
+    registry = PlatformRegistry()
+    assert registry.current({}).name in ("cpu", "cuda", "rocm")
+    registry.register(Accel)
+    assert registry.current({}).name == "accel"
+    assert "accel" in registry.names()

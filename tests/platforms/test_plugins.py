@@ -1,0 +1,162 @@
+"""Out-of-tree platforms discovered through the ``dsv4.platforms`` entry-point group.
+
+Each test installs a small plugin distribution the way pip would leave it on disk — a module and
+a ``*.dist-info`` directory with ``METADATA`` and ``entry_points.txt`` — into a temporary
+directory put on ``sys.path``, so ``importlib.metadata`` discovers it without a network or an
+install step. Module names are unique per test, so nothing leaks between tests.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from graphs import FullGraph, WideRegion
+from platforms import (
+    AmbiguousPlatformError,
+    PlatformPluginError,
+    PlatformRegistry,
+    current_platform,
+    get_platform,
+    simulate,
+)
+from runners import CUDAGraphMode, ModelRunnerV1, ModelRunnerV2, resolve
+
+PLATFORM_SOURCE = '''
+from graphs.strategies import {strategy}
+from platforms import CpuPlatform
+
+
+class {cls}(CpuPlatform):
+    """A CPU-backed accelerator named {name!r}."""
+
+    @property
+    def name(self):
+        return {name!r}
+
+    def is_available(self):
+        return {available}
+
+    @property
+    def eager_region_strategy(self):
+        return {strategy}()
+
+    @property
+    def eager_region_reason(self):
+        return "platform {name} keeps metadata in host-visible scratch memory"
+
+    @property
+    def v2_excluded_architectures(self):
+        return frozenset({{"DeepseekV4ForCausalLM"}})
+'''
+
+_counter = itertools.count()
+MakePlugin = Callable[..., str]
+
+
+@pytest.fixture
+def make_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> MakePlugin:
+    """Write a plugin distribution; return the module name it created."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def make(
+        name: str,
+        *,
+        available: bool = True,
+        strategy: str = "WideRegion",
+        source: str | None = None,
+        target: str = "AccelPlatform",
+        entry_name: str | None = None,
+    ) -> str:
+        module = f"dsv4_test_plugin_{next(_counter)}"
+        monkeypatch.delitem(sys.modules, module, raising=False)
+        body = source or PLATFORM_SOURCE.format(
+            cls="AccelPlatform", name=name, available=available, strategy=strategy
+        )
+        (tmp_path / f"{module}.py").write_text(textwrap.dedent(body))
+        dist = tmp_path / f"{module}-0.1.dist-info"
+        dist.mkdir()
+        (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.1\n")
+        (dist / "entry_points.txt").write_text(
+            f"[dsv4.platforms]\n{entry_name or name} = {module}:{target}\n"
+        )
+        return module
+
+    return make
+
+
+def test_plugin_is_discovered_and_resolved(make_plugin: MakePlugin) -> None:
+    make_plugin("accel")
+    platform = get_platform("accel")
+    assert platform.eager_region_strategy == WideRegion()
+    assert "accel" in PlatformRegistry().names()
+    # Its policy drives resolution: V2 is excluded by default, and an explicit V2 still gets
+    # the platform's wide region and no FULL graphs.
+    default = resolve("DeepseekV4ForCausalLM", platform)
+    assert default.runner is ModelRunnerV1
+    explicit = resolve("DeepseekV4ForCausalLM", "accel", runner="v2")
+    assert explicit.runner is ModelRunnerV2
+    assert explicit.eager_region == WideRegion()
+    assert explicit.decode_mode is CUDAGraphMode.PIECEWISE
+    assert any("platform accel requires the wide region" in r for r in explicit.reasons)
+
+
+def test_available_plugin_is_the_current_platform(
+    make_plugin: MakePlugin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("DSV4_PLATFORM", raising=False)
+    make_plugin("accel")
+    assert current_platform().name == "accel"
+    monkeypatch.setenv("DSV4_PLATFORM", "cpu")
+    assert current_platform().name == "cpu"
+
+
+def test_unavailable_plugin_is_not_current_and_needs_simulation(
+    make_plugin: MakePlugin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("DSV4_PLATFORM", raising=False)
+    make_plugin("offline", available=False, strategy="FullGraph")
+    assert current_platform().name != "offline"
+    sim = simulate(get_platform("offline"))
+    assert sim.is_available() and sim.eager_region_strategy == FullGraph()
+
+
+def test_two_available_plugins_are_ambiguous(
+    make_plugin: MakePlugin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("DSV4_PLATFORM", raising=False)
+    make_plugin("accel-a")
+    make_plugin("accel-b")
+    with pytest.raises(AmbiguousPlatformError, match=r"accel-a, accel-b.*DSV4_PLATFORM"):
+        current_platform()
+    monkeypatch.setenv("DSV4_PLATFORM", "accel-b")
+    assert current_platform().name == "accel-b"
+
+
+def test_a_plugin_that_fails_to_import_is_a_loud_error(make_plugin: MakePlugin) -> None:
+    module = make_plugin("broken", source="raise ImportError('accelerator SDK missing')\n")
+    with pytest.raises(PlatformPluginError, match=rf"'broken'.*{module}.*SDK missing"):
+        get_platform("cpu")
+
+
+def test_a_plugin_object_that_is_not_a_platform_is_refused(make_plugin: MakePlugin) -> None:
+    make_plugin("bogus", source="def make():\n    return 42\n", target="make")
+    with pytest.raises(PlatformPluginError, match=r"'bogus'.*42"):
+        get_platform("bogus")
+
+
+def test_a_plugin_must_carry_its_entry_point_name(make_plugin: MakePlugin) -> None:
+    make_plugin("accel", entry_name="other")
+    with pytest.raises(PlatformPluginError, match="named 'accel'"):
+        get_platform("other")
+
+
+def test_a_plugin_may_not_shadow_a_builtin(make_plugin: MakePlugin) -> None:
+    make_plugin("cuda")
+    with pytest.raises(PlatformPluginError, match="taken platform name 'cuda'"):
+        get_platform("accel")

@@ -1,0 +1,43 @@
+"""Capture sizes: validation, capture order and padding to the next captured size."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from runners import DEFAULT_CAPTURE_SIZES, CaptureSizeError
+from runners.batch import CaptureSizes
+
+
+def test_default_sizes_are_captured_largest_first() -> None:
+    sizes = CaptureSizes.of(DEFAULT_CAPTURE_SIZES, max_num_tokens=64)
+    assert DEFAULT_CAPTURE_SIZES == (1, 2, 4, 8, 16, 32)
+    assert sizes.largest_first() == (32, 16, 8, 4, 2, 1)
+    assert sizes.largest == 32
+
+
+@pytest.mark.parametrize("bad", [0, -4, 2.0, True])
+def test_a_non_positive_or_non_integer_size_is_one_clear_error(bad: object) -> None:
+    with pytest.raises(CaptureSizeError, match=f"capture size {bad!r} is not a positive integer"):
+        CaptureSizes.of([1, bad], max_num_tokens=64)  # type: ignore[list-item]
+
+
+def test_empty_or_over_budget_sizes_are_refused() -> None:
+    with pytest.raises(CaptureSizeError, match="empty"):
+        CaptureSizes.of([], max_num_tokens=64)
+    with pytest.raises(CaptureSizeError, match="128 exceeds the runner's token budget 64"):
+        CaptureSizes.of([1, 128], max_num_tokens=64)
+
+
+@given(
+    sizes=st.lists(st.integers(1, 64), min_size=1, max_size=8),
+    num_tokens=st.integers(1, 80),
+)
+def test_padding_picks_the_smallest_captured_size_that_fits(
+    sizes: list[int], num_tokens: int
+) -> None:
+    capture = CaptureSizes.of(sizes, max_num_tokens=64)
+    padded = capture.padded(num_tokens)
+    fitting = [s for s in sizes if s >= num_tokens]
+    assert padded == (min(fitting) if fitting else None)
