@@ -1,0 +1,284 @@
+"""The engine: requests in, tokens out, one ``StepExecutor`` call per step.
+
+Two ways to drive it:
+- ``generate(prompts, params)``: run a batch to completion and return outputs in prompt order;
+- ``add_request`` / ``step`` / ``abort`` / ``has_unfinished``: the step-level API a server loop or
+  a hypothesis state machine drives; ``step`` returns the requests that finished in it.
+
+Invariants:
+- Every input error is raised before the engine changes, as an ``EngineError`` subclass with a
+  one-line message; running requests are untouched by a refused one.
+- A step is all-or-nothing for the requests in it: if the executor or sampling raises, no request
+  advances, and the next ``step`` retries the same positions, so the engine stays usable.
+- Host work per step is proportional to the number of chunks, not to the tokens fed (prefill
+  chunks are slices of the request's token list) nor to the vocabulary (one argmax for all
+  greedy rows).
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Callable, Sequence
+
+import attrs
+
+from runners.engine.errors import (
+    EngineConfigError,
+    ExecutorError,
+    InvalidRequestError,
+    RequestTooLongError,
+)
+from runners.engine.executor import StepExecutor
+from runners.engine.params import SamplingParams
+from runners.engine.request import Request, RequestOutput
+from runners.engine.sampling import sample, seeded_generator
+from runners.engine.scheduler import Scheduler
+
+__all__ = ["LLM", "EngineStats", "GenerateProgress"]
+
+_EXECUTOR_SIZES = (
+    "max_rows",
+    "max_num_tokens",
+    "num_blocks",
+    "block_size",
+    "max_blocks_per_row",
+    "vocab_size",
+)
+
+
+@attrs.frozen(kw_only=True)
+class GenerateProgress:
+    """Reported to ``generate``'s ``progress`` callback after every step."""
+
+    finished: int
+    """Requests of this ``generate`` call that have finished."""
+    total: int
+    """Requests of this ``generate`` call."""
+    generated_tokens: int
+    """Tokens the engine sampled since this call began."""
+
+
+@attrs.frozen(kw_only=True)
+class EngineStats:
+    """A snapshot of the engine's queues and cache occupancy."""
+
+    waiting: int
+    running: int
+    free_blocks: int
+    total_blocks: int
+    free_rows: int
+    total_rows: int
+
+
+class LLM:
+    """Continuous-batching engine over a ``StepExecutor`` (see the module docstring)."""
+
+    def __init__(
+        self, executor: StepExecutor, *, max_num_batched_tokens: int | None = None
+    ) -> None:
+        """``max_num_batched_tokens``: the token budget of one step (default and upper bound:
+        ``executor.max_num_tokens``)."""
+        self.executor = executor
+        for name in _EXECUTOR_SIZES:
+            value = getattr(executor, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise EngineConfigError(f"executor.{name} must be an int >= 1, got {value!r}")
+        budget = (
+            executor.max_num_tokens if max_num_batched_tokens is None else max_num_batched_tokens
+        )
+        if not 1 <= budget <= executor.max_num_tokens:
+            raise EngineConfigError(
+                f"max_num_batched_tokens must be in [1, {executor.max_num_tokens}] "
+                f"(the executor's max_num_tokens), got {budget}"
+            )
+        self.vocab_size = executor.vocab_size
+        self.block_size = executor.block_size
+        self.max_context = executor.max_blocks_per_row * executor.block_size
+        self.scheduler = Scheduler(
+            max_rows=executor.max_rows,
+            num_blocks=executor.num_blocks,
+            block_size=executor.block_size,
+            token_budget=budget,
+        )
+        self._ids = itertools.count()
+        self._undelivered: list[RequestOutput] = []
+        self._generated_tokens = 0
+
+    def add_request(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request and return its id; raise ``InvalidRequestError`` (or its subclass
+        ``RequestTooLongError``) without changing anything if it is malformed or can never fit."""
+        request = self._prepare(prompt_ids, params, request_id)
+        self.scheduler.add(request)
+        return request.request_id
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return the requests that finished in it (and any finished during a
+        ``generate`` call that belonged to step-level callers)."""
+        finished = self._undelivered + self._step()
+        self._undelivered = []
+        return finished
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a live request now and free its blocks; return what it produced so far
+        (``FinishReason.ABORT``), or None if no live request has this id."""
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.live) or bool(self._undelivered)
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            waiting=len(s.waiting),
+            running=len(s.running),
+            free_blocks=s.blocks.num_free,
+            total_blocks=s.blocks.size,
+            free_rows=s.rows.num_free,
+            total_rows=s.rows.size,
+        )
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        progress: Callable[[GenerateProgress], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs in prompt order. All prompts are validated before
+        any is queued; on any exception (including KeyboardInterrupt) this call's requests are
+        aborted, so the engine is left as it was found."""
+        if params is None or isinstance(params, SamplingParams):
+            per_prompt = [params] * len(prompts)
+        else:
+            per_prompt = list(params)
+            if len(per_prompt) != len(prompts):
+                raise InvalidRequestError(
+                    f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts"
+                )
+        requests = [self._prepare(p, sp, None) for p, sp in zip(prompts, per_prompt, strict=True)]
+        mine = {r.request_id: i for i, r in enumerate(requests)}
+        for request in requests:
+            self.scheduler.add(request)
+        results: list[RequestOutput | None] = [None] * len(requests)
+        done = 0
+        start_tokens = self._generated_tokens
+        try:
+            while done < len(requests):
+                for output in self._step():
+                    index = mine.get(output.request_id)
+                    if index is None:
+                        self._undelivered.append(output)
+                    else:
+                        results[index] = output
+                        done += 1
+                if progress is not None:
+                    progress(
+                        GenerateProgress(
+                            finished=done,
+                            total=len(requests),
+                            generated_tokens=self._generated_tokens - start_tokens,
+                        )
+                    )
+        except BaseException:
+            for request_id, index in mine.items():
+                if results[index] is None:
+                    self.scheduler.abort(request_id)
+            raise
+        return [r for r in results if r is not None]
+
+    def _step(self) -> list[RequestOutput]:
+        step = self.scheduler.schedule()
+        if step is None:
+            return []
+        logits = self.executor.execute(step.chunks, step.token_ids)
+        expected = (len(step.chunks), self.vocab_size)
+        if tuple(logits.shape) != expected or not logits.is_floating_point():
+            raise ExecutorError(
+                f"executor returned logits of shape {tuple(logits.shape)} and dtype "
+                f"{logits.dtype}; expected float32 {expected}"
+            )
+        rows = step.sample_rows
+        if len(rows) < len(step.chunks):
+            logits = logits[rows]
+        requests = [step.requests[i] for i in rows]
+        for request in requests:
+            if request.generator is None and request.params.seed is not None:
+                request.generator = seeded_generator(request.params.seed, logits.device)
+        tokens = sample(logits, [r.params for r in requests], [r.generator for r in requests])
+        self._generated_tokens += len(tokens)
+        return self.scheduler.commit(step, tokens)
+
+    def _prepare(
+        self, prompt_ids: Sequence[int], params: SamplingParams | None, request_id: str | None
+    ) -> Request:
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        prompt = _token_ids(prompt_ids)
+        if not prompt:
+            raise InvalidRequestError("prompt is empty: give at least one token id")
+        self._check_vocab(prompt)
+        for stop in sorted(params.stop_ids):
+            if stop >= self.vocab_size:
+                raise InvalidRequestError(
+                    f"stop token id {stop} is outside the vocabulary [0, {self.vocab_size})"
+                )
+        cached = len(prompt) + params.max_tokens - 1
+        if len(prompt) > self.max_context:
+            raise RequestTooLongError(
+                f"prompt of {len(prompt)} tokens exceeds the maximum context of "
+                f"{self.max_context} tokens"
+            )
+        if cached > self.max_context:
+            raise RequestTooLongError(
+                f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} exceeds the "
+                f"maximum context of {self.max_context} tokens; use max_tokens <= "
+                f"{self.max_context - len(prompt) + 1}"
+            )
+        max_blocks = -(-cached // self.block_size)
+        if max_blocks > self.scheduler.blocks.size:
+            raise RequestTooLongError(
+                f"request needs {max_blocks} KV blocks of {self.block_size} tokens but the cache "
+                f"has {self.scheduler.blocks.size}; shorten the prompt or max_tokens"
+            )
+        if request_id is None:
+            request_id = self._fresh_id()
+        elif not isinstance(request_id, str):
+            raise InvalidRequestError(f"request_id must be a str, got {request_id!r}")
+        elif request_id in self.scheduler.live:
+            raise InvalidRequestError(f"request id {request_id!r} is already live")
+        return Request(request_id, prompt, params, max_blocks)
+
+    def _check_vocab(self, prompt: tuple[int, ...]) -> None:
+        if min(prompt) >= 0 and max(prompt) < self.vocab_size:
+            return
+        position, bad = next((i, t) for i, t in enumerate(prompt) if not 0 <= t < self.vocab_size)
+        raise InvalidRequestError(
+            f"token id {bad} at position {position} is outside the vocabulary "
+            f"[0, {self.vocab_size})"
+        )
+
+    def _fresh_id(self) -> str:
+        while True:
+            candidate = str(next(self._ids))
+            if candidate not in self.scheduler.live:
+                return candidate
+
+
+def _token_ids(prompt_ids: Sequence[int]) -> tuple[int, ...]:
+    if isinstance(prompt_ids, str | bytes):
+        raise InvalidRequestError("prompt must be a sequence of token ids, not text")
+    try:
+        return tuple(operator.index(t) for t in prompt_ids)
+    except TypeError:
+        raise InvalidRequestError(
+            f"prompt must be a sequence of int token ids, got {prompt_ids!r:.60}"
+        ) from None

@@ -1,0 +1,89 @@
+"""A request's life in the engine, and the value it hands back when it finishes.
+
+A request's token sequence is ``prompt + output``. ``num_computed`` counts the leading tokens whose
+KV is in the cache; the rest are fed in the next chunks. The invariants the scheduler keeps:
+- ``0 <= num_computed < len(token_ids)`` while the request is live: the newest token is always
+  still to be fed (the last token of a finished request never is).
+- ``len(block_ids) * block_size >= num_computed``: the request's blocks cover every cached token;
+  they are a private, ordered list (block ``i`` holds positions ``i*B .. i*B+B-1``).
+- ``row`` is a block-table row held by this request alone from admission to finish or abort.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+import torch
+
+from runners.engine.params import SamplingParams
+
+__all__ = ["FinishReason", "Request", "RequestOutput"]
+
+
+class FinishReason(enum.Enum):
+    """Why a request stopped."""
+
+    LENGTH = "length"
+    """It generated ``max_tokens`` tokens."""
+    STOP = "stop"
+    """It generated a stop (or EOS) token, which ends its output."""
+    ABORT = "abort"
+    """``LLM.abort`` removed it; its output holds the tokens generated so far."""
+
+
+@attrs.frozen(kw_only=True)
+class RequestOutput:
+    """What a finished (or aborted) request produced."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+    finish_reason: FinishReason
+
+
+class Request:
+    """Mutable engine-side state of one live request (see the module docstring)."""
+
+    __slots__ = (
+        "block_ids",
+        "block_tuple",
+        "generator",
+        "max_blocks",
+        "num_computed",
+        "params",
+        "prompt_len",
+        "request_id",
+        "row",
+        "stop_ids",
+        "token_ids",
+    )
+
+    def __init__(
+        self, request_id: str, prompt_ids: tuple[int, ...], params: SamplingParams, max_blocks: int
+    ) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.stop_ids = params.stop_ids
+        self.token_ids: list[int] = list(prompt_ids)
+        self.prompt_len = len(prompt_ids)
+        self.max_blocks = max_blocks
+        """Blocks the request needs at worst (all of its tokens but the last one cached)."""
+        self.num_computed = 0
+        self.row: int | None = None
+        self.block_ids: list[int] = []
+        self.block_tuple: tuple[int, ...] = ()
+        """``block_ids`` as the tuple a chunk carries, rebuilt only when a block is added."""
+        self.generator: torch.Generator | None = None
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    def output(self, reason: FinishReason) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_ids=tuple(self.token_ids[: self.prompt_len]),
+            output_ids=tuple(self.token_ids[self.prompt_len :]),
+            finish_reason=reason,
+        )

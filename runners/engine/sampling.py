@@ -1,0 +1,75 @@
+"""Next-token choice for one step: greedy rows by one batched argmax, sampled rows batched through
+temperature, top-k and top-p, then one draw per row from that request's own generator.
+
+Invariants:
+- Batch invariance: every operation is row-wise, so a row's token depends only on its logits, its
+  parameters and its generator, never on which other requests share the step. That is what makes
+  a seed reproduce exactly under continuous batching.
+- Greedy is ``argmax`` (the first index on ties), identical for ``temperature == 0`` rows wherever
+  they sit in the batch.
+- Filtering keeps every token whose scaled logit is at least the smallest kept value, so tokens
+  tied at the top-k or top-p boundary are all kept (the result does not depend on sort order).
+  Top-p keeps the shortest prefix of the sorted distribution (after top-k) whose mass reaches
+  ``top_p``; the most likely token is always kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from runners.engine.params import SamplingParams
+
+__all__ = ["filtered_probs", "sample", "seeded_generator"]
+
+
+def seeded_generator(seed: int, device: torch.device) -> torch.Generator:
+    """A generator of its own for one request, on the device its logits live on."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def filtered_probs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Probabilities ``[n, V]`` after temperature, top-k (``0`` = off) and top-p (``1`` = off).
+
+    ``temperature``, ``top_p`` are float ``[n]`` (temperature > 0); ``top_k`` is int64 ``[n]``.
+    """
+    vocab = logits.shape[-1]
+    scaled = logits / temperature[:, None]
+    ordered = scaled.sort(dim=-1, descending=True).values
+    ranks = torch.arange(vocab, device=logits.device)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    in_top_k = ranks[None, :] < k[:, None]
+    probs = ordered.masked_fill(~in_top_k, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    keep = in_top_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
+    last_kept = keep.sum(dim=-1, keepdim=True) - 1
+    threshold = ordered.gather(1, last_kept)
+    return scaled.masked_fill(scaled < threshold, float("-inf")).softmax(dim=-1)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> list[int]:
+    """One token per row of ``logits`` ``[n, V]``; ``generators[i]`` is row i's (None: global)."""
+    tokens: list[int] = logits.argmax(dim=-1).tolist()
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return tokens
+    device = logits.device
+    chosen = [params[i] for i in rows]
+    probs = filtered_probs(
+        logits[rows].float(),
+        torch.tensor([p.temperature for p in chosen], dtype=torch.float32, device=device),
+        torch.tensor([p.top_k for p in chosen], dtype=torch.int64, device=device),
+        torch.tensor([p.top_p for p in chosen], dtype=torch.float32, device=device),
+    )
+    for j, i in enumerate(rows):
+        tokens[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]).item())
+    return tokens
