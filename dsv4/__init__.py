@@ -1,0 +1,28 @@
+"""The DeepSeek-V4 model: config, strategy-composed attention, paged caches, checkpoints.
+
+Imports ``graphs`` only (never ``platforms`` or ``runners``); resolves nothing at import time.
+"""
+
+from dsv4.attention import DeepseekV4Attention
+from dsv4.cache import CompressorCache, LayerCache, PagedKVCaches, allocate_kv_caches
+from dsv4.config import DeepseekV4Config, YarnScaling
+from dsv4.errors import CheckpointError, ConfigError
+from dsv4.metadata import AttentionMetadata, MetadataBuffers, ScheduledChunk, new_metadata
+from dsv4.model import DeepseekV4ForCausalLM
+
+__all__ = [
+    "AttentionMetadata",
+    "CheckpointError",
+    "CompressorCache",
+    "ConfigError",
+    "DeepseekV4Attention",
+    "DeepseekV4Config",
+    "DeepseekV4ForCausalLM",
+    "LayerCache",
+    "MetadataBuffers",
+    "PagedKVCaches",
+    "ScheduledChunk",
+    "YarnScaling",
+    "allocate_kv_caches",
+    "new_metadata",
+]

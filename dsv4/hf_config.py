@@ -1,0 +1,269 @@
+"""Conversion between ``DeepseekV4Config`` and the Hugging Face ``config.json`` layout.
+
+Reading follows transformers 5.23.0 exactly where it changes the numbers:
+- ``layer_types`` wins over the legacy per-layer ``compress_ratios`` (0 → sliding, 4 → CSA,
+  128 → HCA); both are cut to ``num_hidden_layers`` (checkpoints list the MTP layer too).
+- ``compress_rates`` (dict per layer type), overridden by legacy ``compress_rate_csa`` /
+  ``compress_rate_hca``; ``mlp_layer_types`` defaults to ``num_hash_layers`` (3) hash layers.
+- ``partial_rotary_factor`` defaults to the legacy ``qk_rope_head_dim / head_dim``.
+- ``rope_parameters`` (or the legacy ``rope_scaling``) either nested as ``{"main", "compress"}``
+  or flat; a flat dict's YaRN keys apply to the compress part only, with ``attention_factor``
+  1.0 unless given. In a nested part without ``attention_factor`` YaRN derives it from
+  ``factor`` (and ``mscale``/``mscale_all_dim``), as the reference does.
+
+Values the reference accepts but this model does not implement raise ``ConfigError`` instead of
+being ignored silently (see the README section on supported fields).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from dsv4.config import CSA, HCA, POSITIVE_INT_FIELDS, SLIDING, DeepseekV4Config, YarnScaling
+from dsv4.errors import ConfigError
+
+__all__ = ["config_from_hf_dict", "config_to_hf_dict"]
+
+_LEGACY_RATIO_TYPES = {0: SLIDING, 4: CSA, 128: HCA}
+
+_INT_FIELDS = (
+    *(f for f in POSITIVE_INT_FIELDS if not f.startswith("compress_rate")),
+    "num_nextn_predict_layers",
+)
+_FLOAT_FIELDS = (
+    "rope_theta",
+    "compress_rope_theta",
+    "hc_eps",
+    "routed_scaling_factor",
+    "swiglu_limit",
+    "rms_norm_eps",
+    "initializer_range",
+)
+
+# Fields the reference reads whose other values this model does not implement.
+_FIXED = {
+    "num_key_value_heads": 1,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "hidden_act": "silu",
+}
+
+
+def _int(raw: Mapping[str, Any], key: str) -> int:
+    value = raw[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"config field {key!r} must be an integer, got {value!r}")
+    return value
+
+
+def _float(raw: Mapping[str, Any], key: str) -> float:
+    value = raw[key]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"config field {key!r} must be a number, got {value!r}")
+    return float(value)
+
+
+def _str_list(raw: Mapping[str, Any], key: str, n: int) -> tuple[str, ...]:
+    value = raw[key]
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"config field {key!r} must be a list of strings, got {value!r}")
+    return tuple(value[:n])
+
+
+def _mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn(part: Mapping[str, Any], label: str, max_pos: int, flat: bool) -> YarnScaling:
+    where = f"rope_parameters[{label!r}]"
+    if part.get("truncate", True) is not True:
+        raise ConfigError(f"{where}: truncate=false is not supported (the reference truncates)")
+    factor = part.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, int | float):
+        raise ConfigError(f"{where}: YaRN needs a numeric 'factor', got {factor!r}")
+    original = part.get("original_max_position_embeddings") or max_pos
+    if isinstance(original, bool) or not isinstance(original, int):
+        raise ConfigError(f"{where}: original_max_position_embeddings must be an integer")
+    attention = part.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = part.get("mscale"), part.get("mscale_all_dim")
+        if flat:
+            attention = 1.0
+        elif mscale and mscale_all:
+            attention = _mscale(factor, mscale) / _mscale(factor, mscale_all)
+        else:
+            attention = _mscale(factor)
+    return YarnScaling(
+        factor=float(factor),
+        original_max_position_embeddings=original,
+        beta_fast=float(part.get("beta_fast") or 32),
+        beta_slow=float(part.get("beta_slow") or 1),
+        attention_factor=float(attention),
+    )
+
+
+def _rope_part(
+    part: Mapping[str, Any], label: str, theta: float, max_pos: int, flat: bool
+) -> tuple[float, YarnScaling | None]:
+    if not isinstance(part, Mapping):
+        raise ConfigError(f"rope_parameters[{label!r}] must be a dict, got {part!r}")
+    rope_type = part.get("rope_type", part.get("type", "default"))
+    theta = float(part.get("rope_theta", theta)) if not flat else theta
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "yarn":
+        return theta, _yarn(part, label, max_pos, flat)
+    raise ConfigError(
+        f"rope_parameters[{label!r}]: rope_type {rope_type!r} is not supported "
+        "(supported: 'default', 'yarn')"
+    )
+
+
+def _partial_rotary_factor(fields: dict[str, Any], raw: Mapping[str, Any], parts: list[Any]) -> Any:
+    explicit = raw.get("partial_rotary_factor")
+    in_parts = {
+        p["partial_rotary_factor"]
+        for p in parts
+        if isinstance(p, Mapping) and p.get("partial_rotary_factor") is not None
+    }
+    if explicit is not None:
+        in_parts.add(explicit)
+    if len(in_parts) > 1:
+        raise ConfigError(
+            f"rope parts use different partial_rotary_factor values {sorted(in_parts)}; "
+            "only one rotary size per model is supported"
+        )
+    if in_parts:
+        return in_parts.pop()
+    if raw.get("qk_rope_head_dim") is not None:
+        return _int(raw, "qk_rope_head_dim") / fields.get("head_dim", 512)
+    return 64 / 512
+
+
+def _layer_types(raw: Mapping[str, Any], n: int) -> tuple[str, ...] | None:
+    if raw.get("layer_types") is not None:
+        return _str_list(raw, "layer_types", n)
+    ratios = raw.get("compress_ratios")
+    if ratios is None:
+        return None
+    if not isinstance(ratios, list | tuple):
+        raise ConfigError(f"config field 'compress_ratios' must be a list, got {ratios!r}")
+    unknown = sorted({r for r in ratios if r not in _LEGACY_RATIO_TYPES}, key=str)
+    if unknown:
+        raise ConfigError(
+            f"legacy compress_ratios entries {unknown} are not understood; expected 0, 4 or 128 "
+            "(or give layer_types and compress_rates)"
+        )
+    return tuple(_LEGACY_RATIO_TYPES[r] for r in ratios[:n])
+
+
+def config_from_hf_dict(raw: Mapping[str, Any]) -> DeepseekV4Config:
+    """Build a ``DeepseekV4Config`` from a Hugging Face ``config.json`` dict."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"a config must be a JSON object, got {type(raw).__name__}")
+    if raw.get("model_type", "deepseek_v4") != "deepseek_v4":
+        raise ConfigError(f"model_type {raw['model_type']!r} is not 'deepseek_v4'")
+    for key, expected in _FIXED.items():
+        if key in raw and raw[key] is not None and raw[key] != expected:
+            raise ConfigError(f"{key}={raw[key]!r} is not supported (only {expected!r})")
+    fields: dict[str, Any] = {k: _int(raw, k) for k in _INT_FIELDS if raw.get(k) is not None}
+    fields.update({k: _float(raw, k) for k in _FLOAT_FIELDS if raw.get(k) is not None})
+    n = fields.get("num_hidden_layers", 43)
+    layer_types = _layer_types(raw, n)
+    if layer_types is not None:
+        fields["layer_types"] = layer_types
+    if raw.get("mlp_layer_types") is not None:
+        fields["mlp_layer_types"] = _str_list(raw, "mlp_layer_types", n)
+    elif raw.get("num_hash_layers") is not None:
+        n_hash = _int(raw, "num_hash_layers")
+        fields["mlp_layer_types"] = ("hash_moe",) * min(n, n_hash) + ("moe",) * max(n - n_hash, 0)
+    rates = dict(raw.get("compress_rates") or {})
+    unknown_rates = sorted(set(rates) - {CSA, HCA})
+    if unknown_rates:
+        raise ConfigError(f"compress_rates has unknown layer types {unknown_rates}")
+    for key, legacy, field in (
+        (CSA, "compress_rate_csa", "compress_rate_csa"),
+        (HCA, "compress_rate_hca", "compress_rate_hca"),
+    ):
+        if raw.get(legacy) is not None:
+            rates[key] = raw[legacy]
+        if key in rates:
+            fields[field] = _int(rates, key)
+    for key in ("scoring_func",):
+        if raw.get(key) is not None:
+            fields[key] = str(raw[key])
+    fields["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings", False))
+    for key in ("bos_token_id", "pad_token_id"):
+        if key in raw:
+            fields[key] = raw[key]
+    if "eos_token_id" in raw:
+        eos = raw["eos_token_id"]
+        fields["eos_token_id"] = tuple(eos) if isinstance(eos, list) else eos
+
+    rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if not isinstance(rope, Mapping):
+        raise ConfigError(f"rope_parameters must be a dict, got {rope!r}")
+    nested = isinstance(rope.get("main"), Mapping) and isinstance(rope.get("compress"), Mapping)
+    parts = [rope["main"], rope["compress"]] if nested else [rope]
+    fields["partial_rotary_factor"] = float(_partial_rotary_factor(fields, raw, parts))
+    max_pos = fields.get("max_position_embeddings", 1048576)
+    theta = fields.get("rope_theta", 10000.0)
+    if nested:
+        fields["rope_theta"], fields["main_yarn"] = _rope_part(
+            rope["main"], "main", theta, max_pos, False
+        )
+        fields["compress_rope_theta"], fields["compress_yarn"] = _rope_part(
+            rope["compress"], "compress", theta, max_pos, False
+        )
+    else:
+        compress_theta = fields.get("compress_rope_theta", 160000.0)
+        _, fields["compress_yarn"] = _rope_part(rope, "compress", compress_theta, max_pos, True)
+    return DeepseekV4Config(**fields)
+
+
+def _rope_dict(theta: float, yarn: YarnScaling | None, prf: float) -> dict[str, Any]:
+    part: dict[str, Any] = {
+        "rope_type": "default",
+        "rope_theta": theta,
+        "partial_rotary_factor": prf,
+    }
+    if yarn is not None:
+        part.update(
+            rope_type="yarn",
+            factor=yarn.factor,
+            original_max_position_embeddings=yarn.original_max_position_embeddings,
+            beta_fast=yarn.beta_fast,
+            beta_slow=yarn.beta_slow,
+            attention_factor=yarn.attention_factor,
+        )
+    return part
+
+
+def config_to_hf_dict(config: DeepseekV4Config) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` dict (nested ``rope_parameters``, every value explicit)."""
+    out: dict[str, Any] = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4"}
+    out.update({k: getattr(config, k) for k in _INT_FIELDS + _FLOAT_FIELDS})
+    out.update(_FIXED)
+    eos = config.eos_token_id
+    out.update(
+        layer_types=list(config.layer_types),
+        mlp_layer_types=list(config.mlp_layer_types),
+        compress_rates={CSA: config.compress_rate_csa, HCA: config.compress_rate_hca},
+        partial_rotary_factor=config.partial_rotary_factor,
+        scoring_func=config.scoring_func,
+        tie_word_embeddings=config.tie_word_embeddings,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=list(eos) if isinstance(eos, tuple) else eos,
+        pad_token_id=config.pad_token_id,
+        rope_parameters={
+            "main": _rope_dict(config.rope_theta, config.main_yarn, config.partial_rotary_factor),
+            "compress": _rope_dict(
+                config.compress_rope_theta, config.compress_yarn, config.partial_rotary_factor
+            ),
+        },
+    )
+    return out

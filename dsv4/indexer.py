@@ -1,0 +1,90 @@
+"""The lightning indexer of a CSA layer: picks, per query, which compressed entries it attends.
+
+Keys ``K_I[s]`` come from its own overlapping compressor at ``index_head_dim`` (RoPE at
+``s*m``); queries ``q_I = q_b_proj(q_res)`` are ``[index_n_heads, index_head_dim]``, rotated at
+the query position, not normalised. Weights ``w_h = weights_proj(x)[h] / sqrt(n_I)``. The
+score of entry ``s`` for query ``t`` is ``sum_h w_h * relu(q_I[h] . K_I[s]) / sqrt(c_I)`` in
+fp32; entries not yet complete score ``-inf``; the top ``min(index_topk, capacity)`` entries
+are selected and those that are not visible are marked invalid.
+
+Selecting over the static capacity (the request's maximum context / m) instead of the number
+of entries that exist picks the same visible set as the reference (which takes
+``min(index_topk, existing)``), because invisible entries can only fill places left after every
+visible entry is taken. It keeps every shape static, so selection needs no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsv4.cache import CompressorCache
+from dsv4.metadata import AttentionMetadata
+from dsv4.paging import token_slots
+from dsv4.pooling import WindowPooler, entry_capacity, entry_visible
+from dsv4.rope import RotaryEmbedding
+
+__all__ = ["Indexer", "IndexerScorer"]
+
+
+class IndexerScorer(nn.Module):
+    """Holds ``weights_proj`` (reference name ``indexer.scorer.weights_proj``)."""
+
+    def __init__(self, hidden_size: int, num_heads: int) -> None:
+        super().__init__()
+        self.weights_proj = nn.Linear(hidden_size, num_heads, bias=False)
+
+
+class Indexer(WindowPooler):
+    """Key compressor plus query projection and head weights of the lightning indexer."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        q_lora_rank: int,
+        *,
+        num_heads: int,
+        head_dim: int,
+        rate: int,
+        topk: int,
+        eps: float,
+    ) -> None:
+        super().__init__(hidden_size, head_dim, rate, overlap=True, eps=eps)
+        self.num_heads = num_heads
+        self.topk = topk
+        self.q_b_proj = nn.Linear(q_lora_rank, num_heads * head_dim, bias=False)
+        self.scorer = IndexerScorer(hidden_size, num_heads)
+
+    def queries(
+        self,
+        hidden_states: torch.Tensor,
+        q_residual: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        rope: RotaryEmbedding,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated queries ``[T, n_I, c_I]`` and fp32 head weights ``[T, n_I]``."""
+        q = self.q_b_proj(q_residual).unflatten(-1, (self.num_heads, self.dim))
+        q = rope.rotate(q, cos.unsqueeze(1), sin.unsqueeze(1))
+        weights = self.scorer.weights_proj(hidden_states).float() * self.num_heads**-0.5
+        return q, weights
+
+    def select(
+        self,
+        queries: torch.Tensor,
+        weights: torch.Tensor,
+        positions: torch.Tensor,
+        cache: CompressorCache,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Selected entry indices ``[T, k]`` and whether each is visible (valid)."""
+        capacity = entry_capacity(metadata, self.rate)
+        entries = torch.arange(capacity, device=positions.device)
+        slots = token_slots(metadata, metadata.token_request.unsqueeze(-1), entries)
+        keys = cache.entries[slots].float()
+        scores = torch.relu(torch.matmul(queries.float(), keys.transpose(1, 2))) * self.dim**-0.5
+        scores = (scores * weights.unsqueeze(-1)).sum(dim=1)
+        visible = entry_visible(entries, positions, self.rate)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        chosen = scores.topk(min(self.topk, capacity), dim=-1).indices
+        return chosen, entry_visible(chosen, positions, self.rate)

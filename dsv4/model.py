@@ -1,0 +1,151 @@
+"""``DeepseekV4ForCausalLM``: embeddings, decoder blocks with hyper-connections, HC head, LM head.
+
+The module tree mirrors the Hugging Face implementation, so ``state_dict()`` keys are the
+reference parameter names (``model.layers.{i}.self_attn.q_a_proj.weight`` ...) and a Hugging Face
+checkpoint loads by name.
+
+Contract with the runners: ``model(input_ids [T], positions [T]) -> logits [T, vocab]`` (fp32),
+reading ``get_forward_context().attn_metadata``; caches are allocated by the runner
+(``dsv4.cache.allocate_kv_caches``) and handed over with ``bind_kv_caches``; the eager region
+of every attention layer changes only through ``set_eager_region``. Padded tokens (slot -1)
+give finite garbage and write nothing.
+
+Dtypes: parameters take the requested dtype except those the reference keeps in fp32 (norm
+weights, hyper-connection parameters, sinks, position biases, router bias); RoPE frequencies
+stay fp32 too.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsv4.attention import DeepseekV4Attention
+from dsv4.cache import PagedKVCaches
+from dsv4.config import DeepseekV4Config
+from dsv4.hyper import HyperConnection, HyperHead, mix
+from dsv4.layers import RMSNorm
+from dsv4.moe import MoE
+from graphs import EagerRegionStrategy, NarrowRegion
+
+__all__ = ["FP32_PARAMETER_MARKERS", "DeepseekV4ForCausalLM", "DeepseekV4Model"]
+
+FP32_PARAMETER_MARKERS = (
+    "attn_hc.",
+    "ffn_hc.",
+    "hc_head.",
+    "sinks",
+    "position_bias",
+    "e_score_correction_bias",
+    "norm.weight",
+    "layernorm.weight",
+)
+"""Substrings of parameter names kept in fp32 whatever the model dtype (as the reference)."""
+
+
+class DecoderLayer(nn.Module):
+    """Attention and MoE, each wrapped by a hyper-connection over the ``hc_mult`` streams."""
+
+    def __init__(
+        self, config: DeepseekV4Config, layer_idx: int, strategy: EagerRegionStrategy
+    ) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        hc = {"eps": config.hc_eps, "norm_eps": eps}
+        self.self_attn = DeepseekV4Attention(config, layer_idx, strategy=strategy)
+        self.mlp = MoE(config, layer_idx)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.attn_hc = HyperConnection(
+            config.hc_mult, config.hidden_size, sinkhorn_iters=config.hc_sinkhorn_iters, **hc
+        )
+        self.ffn_hc = HyperConnection(
+            config.hc_mult, config.hidden_size, sinkhorn_iters=config.hc_sinkhorn_iters, **hc
+        )
+
+    def forward(
+        self, streams: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor
+    ) -> torch.Tensor:
+        post, comb, collapsed = self.attn_hc(streams)
+        streams = mix(
+            streams, post, comb, self.self_attn(positions, self.input_layernorm(collapsed))
+        )
+        post, comb, collapsed = self.ffn_hc(streams)
+        return mix(
+            streams, post, comb, self.mlp(self.post_attention_layernorm(collapsed), input_ids)
+        )
+
+
+class DeepseekV4Model(nn.Module):
+    """Embeddings, decoder layers, final hyper-connection head and norm."""
+
+    def __init__(self, config: DeepseekV4Config, strategy: EagerRegionStrategy) -> None:
+        super().__init__()
+        self.hc_mult = config.hc_mult
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, strategy) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hc_head = HyperHead(
+            config.hc_mult, config.hidden_size, eps=config.hc_eps, norm_eps=config.rms_norm_eps
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        embeds = self.embed_tokens(input_ids)
+        streams = embeds.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            streams = layer(streams, positions, input_ids)
+        return self.norm(self.hc_head(streams))
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    """The causal language model the runners drive (see the module docstring for the contract)."""
+
+    def __init__(
+        self,
+        config: DeepseekV4Config,
+        *,
+        strategy: EagerRegionStrategy = NarrowRegion(),  # noqa: B008 - strategies are values
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DeepseekV4Model(config, strategy)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self._strategy = strategy
+        self.to(device=device)
+        for name, parameter in self.named_parameters():
+            if not any(marker in name for marker in FP32_PARAMETER_MARKERS):
+                parameter.data = parameter.data.to(dtype)
+
+    @property
+    def strategy(self) -> EagerRegionStrategy:
+        """The eager-region strategy every attention layer is composed with."""
+        return self._strategy
+
+    def attention_layers(self) -> list[DeepseekV4Attention]:
+        return [module for module in self.modules() if isinstance(module, DeepseekV4Attention)]
+
+    def set_eager_region(self, strategy: EagerRegionStrategy) -> None:
+        """Re-compose every attention layer's region from ``strategy``."""
+        self._strategy = strategy
+        for attention in self.attention_layers():
+            attention.use_strategy(strategy)
+
+    def bind_kv_caches(self, caches: PagedKVCaches) -> None:
+        """Hand each attention layer its paged caches (the runner keeps ownership)."""
+        layers = self.attention_layers()
+        if len(caches.layers) != len(layers):
+            raise ValueError(
+                f"caches hold {len(caches.layers)} layers, the model has {len(layers)}"
+            )
+        for attention, cache in zip(layers, caches.layers, strict=True):
+            attention.bind_cache(cache)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits ``[T, vocab]`` in fp32 for tokens ``input_ids`` at ``positions``."""
+        return self.lm_head(self.model(input_ids, positions)).float()
