@@ -5,6 +5,7 @@ Imports ``graphs`` only (never ``platforms`` or ``runners``); resolves nothing a
 
 from dsv4.attention import DeepseekV4Attention
 from dsv4.cache import CompressorCache, LayerCache, PagedKVCaches, allocate_kv_caches
+from dsv4.checkpoint import load_checkpoint, save_random_checkpoint
 from dsv4.config import DeepseekV4Config, YarnScaling
 from dsv4.errors import CheckpointError, ConfigError
 from dsv4.metadata import AttentionMetadata, MetadataBuffers, ScheduledChunk, new_metadata
@@ -24,5 +25,7 @@ __all__ = [
     "ScheduledChunk",
     "YarnScaling",
     "allocate_kv_caches",
+    "load_checkpoint",
     "new_metadata",
+    "save_random_checkpoint",
 ]

@@ -1,0 +1,207 @@
+"""Checkpoints: ``config.json`` plus ``*.safetensors`` in the Hugging Face layout.
+
+Tensor names may be the Hugging Face names (what ``save_random_checkpoint`` writes), the
+official DeepSeek names (``layers.0.attn.wq_a.weight``, per-expert ``ffn.experts.{e}.w1/w2/w3``,
+``hc_attn_fn`` ...) or the mix ``transformers`` itself writes on ``save_pretrained`` (official
+sub-names under a ``model.`` prefix); all are mapped to one canonical (Hugging Face) name.
+Multi-token-prediction tensors (``mtp.*``) are skipped, as the reference does.
+
+Loading is strict: a missing, unexpected or mis-shaped tensor, a quantised tensor (fp8/fp4 data
+or its scale) or an unreadable file raises ``CheckpointError`` naming the tensor and file; the
+model is only returned when every parameter and persistent buffer was filled.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dsv4.config import DeepseekV4Config
+from dsv4.errors import CheckpointError
+from dsv4.model import DeepseekV4ForCausalLM
+from dsv4.weights import randomize_
+from graphs import EagerRegionStrategy, NarrowRegion
+
+__all__ = ["canonical_name", "load_checkpoint", "save_random_checkpoint"]
+
+_RENAMES = tuple(
+    (re.compile(pattern), replacement)
+    for pattern, replacement in (
+        (r"\.attn\.", ".self_attn."),
+        (r"\.ffn\.", ".mlp."),
+        (r"\.indexer\.compressor\.", ".compressor.indexer."),
+        (r"^embed\.weight$", "embed_tokens.weight"),
+        (r"^head\.weight$", "lm_head.weight"),
+        (r"^hc_head_(fn|base|scale)$", r"hc_head.hc_\1"),
+        (r"\.attn_norm\.", ".input_layernorm."),
+        (r"\.ffn_norm\.", ".post_attention_layernorm."),
+        (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"),
+        (r"\.attn_sink$", ".sinks"),
+        (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+        (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."),
+        (r"\.norm\.", ".kv_norm."),
+        (r"\.ape$", ".position_bias"),
+        (r"\.wq_a\.", ".q_a_proj."),
+        (r"\.wq_b\.", ".q_b_proj."),
+        (r"\.wkv\.", ".kv_proj."),
+        (r"\.wgate\.", ".gate_proj."),
+        (r"\.wo_a\.", ".o_a_proj."),
+        (r"\.wo_b\.", ".o_b_proj."),
+        (r"\.q_norm\.", ".q_a_norm."),
+        (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+        (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+        (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+        (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
+    )
+)
+_EXPERT_PIECE = re.compile(
+    r"^(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<w>w[123])\.weight$"
+)
+_SKIPPED = re.compile(r"(^|\.)mtp\.")
+_QUANT_SCALE = re.compile(r"(\.scale|_scale_inv|\.scale_inv)$")
+_FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
+_INT_DTYPES = {"I16", "I32", "I64", "U16", "U32"}
+
+
+def canonical_name(name: str) -> str:
+    """The Hugging Face name of a tensor named in any supported layout."""
+    bare = name.removeprefix("model.")
+    for pattern, replacement in _RENAMES:
+        bare = pattern.sub(replacement, bare)
+    return bare if bare.startswith("lm_head.") else f"model.{bare}"
+
+
+def _tensors(directory: Path) -> list[tuple[Path, str]]:
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in checkpoint directory {directory}")
+    entries: list[tuple[Path, str]] = []
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                entries.extend((path, key) for key in handle.keys())  # noqa: SIM118
+        except Exception as exc:
+            raise CheckpointError(f"cannot read {path.name}: {exc}".splitlines()[0]) from None
+    return entries
+
+
+def _read(path: Path, key: str, expected: torch.Tensor) -> torch.Tensor:
+    """Read one tensor after checking its dtype and shape against the model's."""
+    with safe_open(str(path), framework="pt") as handle:
+        piece = handle.get_slice(key)
+        dtype, shape = piece.get_dtype(), tuple(piece.get_shape())
+        allowed = _FLOAT_DTYPES if expected.is_floating_point() else _INT_DTYPES
+        if dtype not in allowed:
+            quantised = dtype.startswith(("F8", "F4", "F6", "U8", "I8"))
+            kind = "quantised (fp8/fp4) " if quantised else ""
+            raise CheckpointError(
+                f"tensor {key!r} in {path.name} is {kind}{dtype}; expected one of "
+                f"{sorted(allowed)} (quantised checkpoints are not supported: dequantise first)"
+            )
+        if shape != tuple(expected.shape):
+            raise CheckpointError(
+                f"tensor {key!r} in {path.name} has shape {list(shape)}, "
+                f"expected {list(expected.shape)}"
+            )
+        return handle.get_tensor(key)
+
+
+def _merge_experts(
+    pieces: dict[str, dict[tuple[int, str], tuple[Path, str]]],
+    targets: dict[str, torch.Tensor],
+    num_experts: int,
+) -> dict[str, tuple[Path, str] | torch.Tensor]:
+    """Stack official per-expert ``w1``/``w3`` (gate, up) and ``w2`` (down) into the HF layout."""
+    merged: dict[str, tuple[Path, str] | torch.Tensor] = {}
+    for prefix, found in pieces.items():
+        gate_up, down = f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
+        if gate_up not in targets:
+            path, key = next(iter(found.values()))
+            raise CheckpointError(f"unexpected tensor {key!r} in {path.name}")
+        half = targets[gate_up].shape[1] // 2
+        rows = []
+        for e in range(num_experts):
+            for w in ("w1", "w2", "w3"):
+                if (e, w) not in found:
+                    raise CheckpointError(f"checkpoint is missing tensor '{prefix}.{e}.{w}.weight'")
+            w1, w3, w2 = (
+                _read(*found[(e, w)], targets[gate_up][e, :half] if w != "w2" else targets[down][e])
+                for w in ("w1", "w3", "w2")
+            )
+            rows.append((torch.cat((w1, w3)), w2))
+        merged[gate_up] = torch.stack([r[0] for r in rows])
+        merged[down] = torch.stack([r[1] for r in rows])
+    return merged
+
+
+def load_checkpoint(
+    directory: str | Path,
+    *,
+    strategy: EagerRegionStrategy = NarrowRegion(),  # noqa: B008 - strategies are values
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> DeepseekV4ForCausalLM:
+    """Build the model described by ``directory/config.json`` and fill it from its safetensors."""
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"no config.json in checkpoint directory {directory}")
+    config = DeepseekV4Config.from_json_file(config_path)
+    model = DeepseekV4ForCausalLM(config, strategy=strategy, device=device, dtype=dtype)
+    targets = dict(model.state_dict(keep_vars=True))
+    if config.tie_word_embeddings:
+        targets.pop("lm_head.weight")
+    sources: dict[str, tuple[Path, str] | torch.Tensor] = {}
+    pieces: dict[str, dict[tuple[int, str], tuple[Path, str]]] = {}
+    for path, key in _tensors(directory):
+        if _SKIPPED.search(key):
+            continue
+        name = canonical_name(key)
+        piece = _EXPERT_PIECE.match(name)
+        if piece is not None:
+            found = pieces.setdefault(piece["prefix"], {})
+            found[(int(piece["expert"]), piece["w"])] = (path, key)
+        elif name in targets:
+            sources[name] = (path, key)
+        elif name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        elif _QUANT_SCALE.search(key):
+            raise CheckpointError(
+                f"tensor {key!r} in {path.name} is a quantisation scale: quantised (fp8/fp4) "
+                "checkpoints are not supported, dequantise to bf16 or fp32 first"
+            )
+        else:
+            raise CheckpointError(f"unexpected tensor {key!r} in {path.name}")
+    sources.update(_merge_experts(pieces, targets, config.n_routed_experts))
+    missing = [name for name in targets if name not in sources]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"checkpoint {directory} is missing tensor {missing[0]!r}{more}")
+    with torch.no_grad():
+        for name, target in targets.items():
+            source = sources[name]
+            value = source if isinstance(source, torch.Tensor) else _read(*source, target)
+            target.copy_(value)
+    return model
+
+
+def save_random_checkpoint(directory: str | Path, config: DeepseekV4Config, seed: int) -> Path:
+    """Write a loadable random checkpoint (fp32, Hugging Face names) and return its directory."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model = DeepseekV4ForCausalLM(config)
+    randomize_(model, seed, num_experts=config.n_routed_experts)
+    state = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    try:
+        (directory / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
+        save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    except OSError as exc:
+        raise CheckpointError(f"cannot write checkpoint to {directory}: {exc}") from None
+    return directory
