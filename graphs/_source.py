@@ -1,0 +1,51 @@
+"""Where in the user's code an op was issued: the first Python frame outside torch and graphs.
+
+Capture errors and audit findings name a source line a person can open. The frames of torch
+(modules, dispatch modes, operator wrappers) and of this package (the tape, the audit, eager
+breaks) are machinery, so the first frame outside both is the line that issued the op.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+from types import CodeType
+
+import torch
+
+import graphs
+
+__all__ = ["user_location"]
+
+_SKIPPED_ROOTS = tuple(
+    os.path.dirname(os.path.abspath(module.__file__)) + os.sep
+    for module in (torch, graphs)
+    if module.__file__ is not None
+)
+_internal_code: dict[CodeType, bool] = {}
+
+
+def _is_internal(code: CodeType) -> bool:
+    internal = _internal_code.get(code)
+    if internal is None:
+        filename = os.path.abspath(code.co_filename)
+        internal = filename.startswith(_SKIPPED_ROOTS) or code.co_filename.startswith("<frozen")
+        _internal_code[code] = internal
+    return internal
+
+
+def user_location() -> str:
+    """``path:line in function: source`` of the innermost frame outside torch and graphs."""
+    frame = sys._getframe(1)
+    while frame is not None and _is_internal(frame.f_code):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        return "<unknown location>"
+    code = frame.f_code
+    path = os.path.relpath(code.co_filename)
+    if path.startswith(".."):
+        path = code.co_filename
+    line = linecache.getline(code.co_filename, frame.f_lineno).strip()
+    where = f"{path}:{frame.f_lineno} in {code.co_name}"
+    return f"{where}: {line}" if line else where

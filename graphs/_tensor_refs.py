@@ -1,0 +1,94 @@
+"""References to tensors and storages that a recording holds without pinning memory.
+
+A tape records references to every tensor an op touches. Tensors allocated inside the segment
+are held weakly, so the program frees intermediates as it would eagerly (capture-time memory is
+eager memory) and the tape learns at the end which storages no one else can see. Tensors from
+outside the segment are held strongly: replay needs them and they are alive anyway.
+
+Invariants:
+- A storage is identified by its ``StorageImpl`` address (``storage_key``). Holding a
+  ``WeakStorage`` keeps that address from being reused while the reference lives, so keys
+  recorded during one segment never collide.
+- A ``TensorRef`` snapshots the tensor's view metadata (size, stride, offset) at the op that
+  used it; in-place view ops (``transpose_``, ``unsqueeze_``, an ``out=`` resize) change a
+  tensor's metadata later, and replay must use the metadata each op saw.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import ClassVar, cast
+
+import torch
+
+__all__ = ["TensorRef", "WeakStorage", "alias", "same_view", "storage_key"]
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage (the address of its ``StorageImpl``)."""
+    return int(t.untyped_storage()._cdata)
+
+
+class WeakStorage:
+    """A weak reference to a storage: tells whether it is still in use, and revives it if so."""
+
+    __slots__ = ("cdata",)
+    _free: ClassVar = staticmethod(torch.UntypedStorage._free_weak_ref)
+
+    def __init__(self, storage: torch.UntypedStorage) -> None:
+        self.cdata = cast(int, storage._weak_ref())
+
+    def expired(self) -> bool:
+        """True when no tensor or storage object uses the storage any more."""
+        return bool(torch.UntypedStorage._expired(self.cdata))
+
+    def get(self) -> torch.UntypedStorage | None:
+        """A strong reference to the storage, or ``None`` if it expired."""
+        return cast(
+            "torch.UntypedStorage | None", torch.UntypedStorage._new_with_weak_ptr(self.cdata)
+        )
+
+    def __del__(self) -> None:
+        self._free(self.cdata)
+
+
+class TensorRef:
+    """One recorded use of a tensor: the tensor (strongly or weakly) and its view metadata."""
+
+    __slots__ = ("dtype", "key", "offset", "size", "stride", "strong", "weak")
+
+    def __init__(self, t: torch.Tensor, *, weak: bool) -> None:
+        self.strong: torch.Tensor | None = None if weak else t
+        self.weak: weakref.ref[torch.Tensor] | None = weakref.ref(t) if weak else None
+        self.key = storage_key(t)
+        self.size = tuple(t.size())
+        self.stride = tuple(t.stride())
+        self.offset = int(t.storage_offset())
+        self.dtype = t.dtype
+
+    def tensor(self) -> torch.Tensor | None:
+        """The recorded tensor object, or ``None`` if it was weakly held and is gone."""
+        return self.strong if self.weak is None else self.weak()
+
+
+def same_view(t: torch.Tensor, ref: TensorRef) -> bool:
+    """True when ``t`` still has the storage and view metadata ``ref`` recorded."""
+    return (
+        t.storage_offset() == ref.offset
+        and tuple(t.size()) == ref.size
+        and tuple(t.stride()) == ref.stride
+        and storage_key(t) == ref.key
+    )
+
+
+def alias(
+    storage: torch.UntypedStorage,
+    dtype: torch.dtype,
+    offset: int,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+) -> torch.Tensor:
+    """A new tensor over ``storage`` with the given view metadata (offset in elements)."""
+    t = torch.empty(0, dtype=dtype, device=storage.device)
+    t.set_(storage, offset, size, stride)
+    return t

@@ -1,0 +1,106 @@
+"""What a captured segment may not do: host syncs, data-dependent output shapes, random ops.
+
+A CUDA graph bakes every host-side value into the graph and cannot run a host sync or allocate
+an output whose size depends on device data; random ops replay with the seed they were captured
+with. The tape would silently freeze all of these, so it refuses them instead, naming the op
+and the user's source line. Eager segments are not checked: they may do anything.
+
+Invariant: ``check_capturable`` raises ``CaptureError`` or returns ``None``; it never runs the op.
+Ops that are invisible to a dispatch mode (``.tolist()``, ``.numpy()``, ``data_ptr()``) cannot be
+checked here and silently freeze values: wrap host reads in an eager break.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from graphs._source import user_location
+from graphs.errors import CaptureError
+
+__all__ = ["check_capturable"]
+
+_aten = torch.ops.aten
+
+_HOST_SYNCS = frozenset(
+    {"_local_scalar_dense", "item", "is_nonzero", "equal", "allclose", "nonzero_numpy"}
+)
+"""Ops that hand a tensor's data to the host (``.item()``, ``bool(tensor)``, comparisons)."""
+
+_DATA_DEPENDENT_SHAPES = frozenset({"where", "nonzero", "argwhere", "masked_select"})
+"""Ops (beyond those tagged ``dynamic_output_shape``) whose output shape depends on data;
+``where`` only in its one-argument form."""
+
+_INDEXING = frozenset({"index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index"})
+_DROPOUTS = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_dropout"})
+_STORAGE_SWAPS = frozenset({"set_"})
+
+
+def _name(func: torch._ops.OpOverload) -> str:
+    return func._schema.name.split("::")[-1]
+
+
+def _has_bool_index(args: tuple[Any, ...]) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    return any(
+        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+        for i in (indices or ())
+    )
+
+
+def _arg(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], name: str
+) -> Any:
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.name == name:
+            if name in kwargs:
+                return kwargs[name]
+            if position < len(args):
+                return args[position]
+            return argument.default_value
+    return None
+
+
+def _reason(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> str | None:
+    name = _name(func)
+    tags = func.tags
+    if name in _INDEXING:
+        if _has_bool_index(args):
+            return "boolean-mask indexing syncs with the host to count the selected elements"
+        return None
+    if name in _DROPOUTS:
+        train = _arg(func, args, kwargs, "train")
+        p = _arg(func, args, kwargs, "p")
+        if train is False or p == 0:
+            return None
+        return "random op: replay would reuse the capture's random numbers"
+    if torch.Tag.nondeterministic_seeded in tags:
+        return "random op: replay would reuse the capture's random numbers"
+    if name in _HOST_SYNCS or torch.Tag.data_dependent_output in tags:
+        return "host sync: a tensor's value is read on the host (.item(), bool(tensor), ...)"
+    if name in _STORAGE_SWAPS:
+        return "swapping a tensor's storage cannot be replayed"
+    if name == "repeat_interleave" and _arg(func, args, kwargs, "output_size") is not None:
+        return None
+    if name == "one_hot" and (_arg(func, args, kwargs, "num_classes") or -1) >= 0:
+        return None
+    if name == "where" and len(args) + len(kwargs) > 1:
+        return None
+    if torch.Tag.dynamic_output_shape in tags or name in _DATA_DEPENDENT_SHAPES:
+        return "data-dependent output shape (syncs with the host to size the output)"
+    return None
+
+
+def check_capturable(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """Raise ``CaptureError`` naming ``func`` and the user's line if it cannot be captured."""
+    reason = _reason(func, args, kwargs)
+    if reason is not None:
+        raise CaptureError(
+            f"{func} cannot be captured: {reason}; at {user_location()}. "
+            "Move it into an eager break (eager_break_during_capture) or out of the capture."
+        )
