@@ -3,6 +3,8 @@
 Imports torch only; never resolves a platform.
 """
 
+from graphs.allocations import AllocationTracker
+from graphs.audit import AuditFinding, AuditMode, AuditReport
 from graphs.capture import BreakableCapture
 from graphs.eager_break import eager_break_during_capture
 from graphs.errors import BackendUnavailableError, CaptureAuditError, CaptureError
@@ -16,9 +18,15 @@ from graphs.strategies import (
     WideRegion,
     strategy_from_name,
 )
+from graphs.static_memory import StaticMemory
+from graphs.tape import TapeBackend
 
 __all__ = [
     "STRATEGIES",
+    "AllocationTracker",
+    "AuditFinding",
+    "AuditMode",
+    "AuditReport",
     "BackendUnavailableError",
     "BreakableCapture",
     "CaptureAuditError",
@@ -28,6 +36,8 @@ __all__ = [
     "FullGraph",
     "NarrowRegion",
     "NoGraph",
+    "StaticMemory",
+    "TapeBackend",
     "WideRegion",
     "eager_break_during_capture",
     "forward_context",

@@ -17,6 +17,11 @@ Invariants:
 - The capture is thread-local; entering one while another is active in the thread raises
   ``CaptureError``; leaving the context, normally or by exception, always clears it.
 - A capture that raised, or that recorded nothing, cannot be replayed (``CaptureError``).
+- With an audit (``audit="raise"`` or ``"report"``; the default is ``"raise"`` when ``static``
+  memory is given and ``"off"`` otherwise) every tensor captured work touches must be produced
+  by captured work, be a module parameter, or be registered in ``static``; other accesses raise
+  ``CaptureAuditError`` or are collected in ``audit_report`` (see ``graphs.audit``). The audit is
+  a dispatch mode active for the whole capture, eager segments included, beneath the backend's.
 """
 
 from __future__ import annotations
@@ -29,8 +34,11 @@ import attrs
 import torch
 
 from graphs import _active
+from graphs.allocations import AllocationTracker
+from graphs.audit import AUDIT_MODES, AuditMode, AuditReport, CaptureAudit
 from graphs.backend import GraphBackend, GraphSegment
 from graphs.errors import CaptureError
+from graphs.static_memory import StaticMemory
 
 __all__ = ["BreakableCapture", "EagerSegment", "backend_for_device"]
 
@@ -79,9 +87,20 @@ class BreakableCapture:
         *,
         device: torch.device | str = "cpu",
         full: bool = False,
+        static: StaticMemory | None = None,
+        audit: AuditMode | None = None,
+        allocations: AllocationTracker | None = None,
     ) -> None:
+        mode: AuditMode = audit if audit is not None else ("raise" if static is not None else "off")
+        if mode not in AUDIT_MODES:
+            raise ValueError(f"unknown audit mode {audit!r}; expected one of {AUDIT_MODES}")
         self.backend: GraphBackend = backend if backend is not None else backend_for_device(device)
         self.full = full
+        self.static = static
+        self.audit_mode: AuditMode = mode
+        self._allocations = allocations
+        self._audit: CaptureAudit | None = None
+        self._audit_active = False
         self._segments: list[GraphSegment | EagerSegment] = []
         self._capturing = False
         self._state = "new"  # new -> capturing -> done | failed
@@ -93,8 +112,10 @@ class BreakableCapture:
         _active.activate(self)
         self._state = "capturing"
         try:
+            self._start_audit()
             self._begin_graph()
         except BaseException:
+            self._stop_audit()
             _active.deactivate(self)
             self._state = "failed"
             raise
@@ -116,6 +137,7 @@ class BreakableCapture:
             self._abort()
             raise
         finally:
+            self._stop_audit()
             _active.deactivate(self)
 
     # -- used by eager_break_during_capture -------------------------------------------------
@@ -149,6 +171,13 @@ class BreakableCapture:
             segment.replay()
 
     @property
+    def audit_report(self) -> AuditReport:
+        """Findings of this capture's audit so far (empty, mode ``"off"``, without an audit)."""
+        if self._audit is None:
+            return AuditReport(mode=self.audit_mode)
+        return self._audit.report()
+
+    @property
     def capturing(self) -> bool:
         """True while a graph segment is recording (false inside an eager segment)."""
         return self._capturing
@@ -178,6 +207,23 @@ class BreakableCapture:
         )
 
     # -- internals ----------------------------------------------------------------------------
+    def _start_audit(self) -> None:
+        if self.audit_mode == "off":
+            return
+        self._audit = CaptureAudit(
+            mode=self.audit_mode,
+            is_capturing=lambda: self._capturing,
+            static=self.static,
+            allocations=self._allocations,
+        )
+        self._audit.__enter__()
+        self._audit_active = True
+
+    def _stop_audit(self) -> None:
+        if self._audit is not None and self._audit_active:
+            self._audit_active = False
+            self._audit.__exit__(None, None, None)
+
     def _begin_graph(self) -> None:
         self.backend.begin_segment()
         self._capturing = True
