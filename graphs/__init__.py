@@ -9,6 +9,7 @@ from graphs.capture import BreakableCapture
 from graphs.eager_break import eager_break_during_capture
 from graphs.errors import BackendUnavailableError, CaptureAuditError, CaptureError
 from graphs.forward_context import ForwardContext, forward_context, get_forward_context
+from graphs.static_memory import StaticMemory
 from graphs.strategies import (
     STRATEGIES,
     EagerRegionStrategy,
@@ -18,7 +19,6 @@ from graphs.strategies import (
     WideRegion,
     strategy_from_name,
 )
-from graphs.static_memory import StaticMemory
 from graphs.tape import TapeBackend
 
 __all__ = [
