@@ -7,10 +7,11 @@ Invariants:
   a seed reproduce exactly under continuous batching.
 - Greedy is ``argmax`` (the first index on ties), identical for ``temperature == 0`` rows wherever
   they sit in the batch.
-- Filtering keeps every token whose scaled logit is at least the smallest kept value, so tokens
-  tied at the top-k or top-p boundary are all kept (the result does not depend on sort order).
-  Top-p keeps the shortest prefix of the sorted distribution (after top-k) whose mass reaches
-  ``top_p``; the most likely token is always kept.
+- Top-k keeps every token whose scaled logit is at least the k-th largest; top-p then keeps,
+  from those renormalised and sorted, the shortest prefix whose mass reaches ``top_p`` (a token
+  is kept iff the mass before it is below ``top_p``), widened to every token tied with the last
+  one kept. Ties are thus all in or all out and the result does not depend on sort order; the most
+  likely token is always kept.
 """
 
 from __future__ import annotations
@@ -41,9 +42,8 @@ def filtered_probs(
     vocab = logits.shape[-1]
     scaled = logits / temperature[:, None]
     ordered = scaled.sort(dim=-1, descending=True).values
-    ranks = torch.arange(vocab, device=logits.device)
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
-    in_top_k = ranks[None, :] < k[:, None]
+    in_top_k = ordered >= ordered.gather(1, (k - 1)[:, None])
     probs = ordered.masked_fill(~in_top_k, float("-inf")).softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     keep = in_top_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))

@@ -75,21 +75,23 @@ def test_long_prefill_is_split_across_steps_and_decodes_go_first() -> None:
 
 
 def test_request_waits_for_blocks_then_runs() -> None:
-    executor = ReferenceExecutor(num_blocks=5, block_size=2, max_rows=4)
+    """B fits the blocks free after A's first step, but not A's reservation: it must wait."""
+    executor = ReferenceExecutor(num_blocks=6, block_size=2, max_rows=4)
     llm = LLM(executor)
-    params = SamplingParams(max_tokens=4)
-    a = llm.add_request([1, 2, 3, 4, 5], params)
-    b = llm.add_request([6, 7, 8, 9], params)
+    params = SamplingParams(max_tokens=6)
+    a = llm.add_request([1, 2], params)
+    b = llm.add_request([6, 7, 8, 9], SamplingParams(max_tokens=3))
     llm.step()
     assert llm.stats().waiting == 1
+    assert llm.stats().free_blocks == 5
     outputs = {}
     while llm.has_unfinished():
         for output in llm.step():
             outputs[output.request_id] = output
     rows_per_step = [len(step) for step in executor.steps]
     assert max(rows_per_step) == 1
-    assert outputs[a].output_ids == expected([1, 2, 3, 4, 5], params)[0]
-    assert outputs[b].output_ids == expected([6, 7, 8, 9], params)[0]
+    assert outputs[a].output_ids == expected([1, 2], params)[0]
+    assert outputs[b].output_ids == expected([6, 7, 8, 9], SamplingParams(max_tokens=3))[0]
     assert_all_free(llm)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import attrs
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runners.engine import (
@@ -107,6 +107,7 @@ def check_step_invariants(llm: LLM, executor: ReferenceExecutor, budget: int, be
     assert scheduler.committed_blocks == committed <= scheduler.blocks.size
 
 
+@settings(max_examples=8 * settings().max_examples)
 @given(scenarios())
 def test_engine_equals_reference_under_any_schedule(scenario: Scenario) -> None:
     executor = ReferenceExecutor(**scenario.executor)
