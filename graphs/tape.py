@@ -271,8 +271,8 @@ class TapeBackend:
 
     name = "tape"
 
-    def __init__(self) -> None:
-        self._pool = TapePool()
+    def __init__(self, *, pool: TapePool | None = None) -> None:
+        self._pool = pool if pool is not None else TapePool()
         self._recorder: _Recorder | None = None
 
     @property

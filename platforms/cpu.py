@@ -18,16 +18,17 @@ __all__ = ["CpuPlatform", "tape_backend", "tape_memory_pool"]
 
 
 def tape_memory_pool() -> Any:
-    """The tape's pool: ``None``, because each tape keeps the memory it recorded alive itself."""
-    return None
+    """A fresh tape arena pool (shared by every tape backend of one platform object)."""
+    from graphs.tape_memory import TapePool
+
+    return TapePool()
 
 
 def tape_backend(pool: Any) -> GraphBackend:
-    """The CPU op-tape backend (imported lazily; ``pool`` is the tape pool, i.e. ``None``)."""
+    """The CPU op-tape backend recording into ``pool`` (imported lazily)."""
     from graphs.tape import TapeBackend
 
-    del pool
-    return TapeBackend()
+    return TapeBackend(pool=pool)
 
 
 class CpuPlatform(Platform):

@@ -84,8 +84,10 @@ def test_cpu_platform_hands_out_tape_backends_sharing_one_pool() -> None:
     from graphs.tape import TapeBackend
 
     cpu = CpuPlatform()
-    assert isinstance(cpu.graph_backend(), TapeBackend)
-    assert cpu.memory_pool is cpu.memory_pool
+    first, second = cpu.graph_backend(), cpu.graph_backend()
+    assert isinstance(first, TapeBackend)
+    assert first.pool is second.pool is cpu.memory_pool
+    assert CpuPlatform().memory_pool is not cpu.memory_pool  # one pool per platform object
     assert cpu.device == torch.device("cpu")
 
 
