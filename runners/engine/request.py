@@ -50,6 +50,7 @@ class Request:
         "block_tuple",
         "generator",
         "max_blocks",
+        "max_len",
         "num_computed",
         "params",
         "prompt_len",
@@ -67,6 +68,8 @@ class Request:
         self.stop_ids = params.stop_ids
         self.token_ids: list[int] = list(prompt_ids)
         self.prompt_len = len(prompt_ids)
+        self.max_len = self.prompt_len + params.max_tokens
+        """Length of the token sequence at which the request stops (``FinishReason.LENGTH``)."""
         self.max_blocks = max_blocks
         """Blocks the request needs at worst (all of its tokens but the last one cached)."""
         self.num_computed = 0
@@ -75,10 +78,6 @@ class Request:
         self.block_tuple: tuple[int, ...] = ()
         """``block_ids`` as the tuple a chunk carries, rebuilt only when a block is added."""
         self.generator: torch.Generator | None = None
-
-    @property
-    def num_output(self) -> int:
-        return len(self.token_ids) - self.prompt_len
 
     def output(self, reason: FinishReason) -> RequestOutput:
         return RequestOutput(

@@ -72,12 +72,29 @@ class Scheduler:
         """Build the next step (None when no request is live)."""
         step = ScheduledStep(chunks=[], token_ids=[], requests=[], sample_rows=[])
         budget = self.token_budget
+        block_size = self.block_size
         for request in self.running:
             if budget == 0:
                 break
-            if request.num_computed >= request.prompt_len:
-                self._feed(step, request, 1)
-                budget -= 1
+            start = request.num_computed
+            if start < request.prompt_len:
+                continue
+            if start == len(request.block_ids) * block_size:
+                request.block_ids += self.blocks.allocate(1)
+                request.block_tuple = tuple(request.block_ids)
+            assert request.row is not None
+            step.sample_rows.append(len(step.chunks))
+            step.chunks.append(
+                ScheduledChunk(
+                    row=request.row,
+                    block_ids=request.block_tuple,
+                    start_position=start,
+                    num_tokens=1,
+                )
+            )
+            step.token_ids.append(request.token_ids[start:])
+            step.requests.append(request)
+            budget -= 1
         for request in self.running:
             if budget == 0:
                 break
@@ -94,12 +111,14 @@ class Scheduler:
         for chunk, request in zip(step.chunks, step.requests, strict=True):
             request.num_computed += chunk.num_tokens
         finished: list[RequestOutput] = []
+        requests = step.requests
         for index, token in zip(step.sample_rows, sampled, strict=True):
-            request = step.requests[index]
-            request.token_ids.append(token)
+            request = requests[index]
+            tokens = request.token_ids
+            tokens.append(token)
             if token in request.stop_ids:
                 finished.append(self._finish(request, FinishReason.STOP))
-            elif request.num_output >= request.params.max_tokens:
+            elif len(tokens) >= request.max_len:
                 finished.append(self._finish(request, FinishReason.LENGTH))
         if finished:
             self.running = [r for r in self.running if r.request_id in self.live]
