@@ -1,0 +1,182 @@
+"""Checkpoints: what transformers writes loads into ours (and back), bad ones fail in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dsv4.checkpoint import load_checkpoint, save_random_checkpoint
+from dsv4.config import DeepseekV4Config
+from dsv4.errors import CheckpointError, ConfigError
+from dsv4.testing import run_schedule
+from tests.dsv4.support import hf_logits, hf_twin, random_model
+
+torch.set_num_threads(1)
+
+PROMPT = list(range(1, 38))
+
+
+def _ours(model_dir: Path) -> torch.Tensor:
+    return run_schedule(load_checkpoint(model_dir), [PROMPT], [[(0, len(PROMPT))]])[0]
+
+
+@pytest.fixture(scope="module")
+def hf_saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.Tensor]:
+    """A tiny random model saved by ``save_pretrained``, and its reference logits."""
+    hf = hf_twin(random_model(DeepseekV4Config.tiny(), 21))
+    directory = tmp_path_factory.mktemp("hf")
+    hf.save_pretrained(directory)
+    return directory, hf_logits(hf, PROMPT)
+
+
+def test_save_pretrained_checkpoint_loads_with_equal_logits(
+    hf_saved: tuple[Path, torch.Tensor],
+) -> None:
+    directory, expected = hf_saved
+    assert (_ours(directory) - expected).abs().max() <= 1e-4
+
+
+def _rewrite(source: Path, target: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> Path:
+    """Copy a checkpoint, letting ``edit`` change its tensors (one safetensors file)."""
+    shutil.copytree(source, target)
+    path = target / "model.safetensors"
+    with safe_open(str(path), framework="pt") as handle:
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+    edit(tensors)
+    save_file(tensors, str(path))
+    return target
+
+
+def _official(tensors: dict[str, torch.Tensor]) -> None:
+    """The mix save_pretrained writes -> the official layout (no ``model.`` prefix)."""
+    renames = {"embed_tokens.weight": "embed.weight"}
+    renames.update({f"hc_head.hc_{p}": f"hc_head_{p}" for p in ("fn", "base", "scale")})
+    for key in list(tensors):
+        bare = key.removeprefix("model.")
+        tensors[renames.get(bare, bare)] = tensors.pop(key)
+    tensors["mtp.0.some.weight"] = torch.zeros(2)
+
+
+def test_official_names_load_with_equal_logits(
+    hf_saved: tuple[Path, torch.Tensor], tmp_path: Path
+) -> None:
+    directory, expected = hf_saved
+    official = _rewrite(directory, tmp_path / "official", _official)
+    with safe_open(str(official / "model.safetensors"), framework="pt") as handle:
+        names = set(handle.keys())
+    assert {"embed.weight", "head.weight", "layers.1.attn.indexer.wq_b.weight"} <= names
+    assert "layers.0.ffn.experts.3.w2.weight" in names
+    assert (_ours(official) - expected).abs().max() <= 1e-4
+
+
+def test_random_checkpoint_loads_in_transformers_and_ours(tmp_path: Path) -> None:
+    config = DeepseekV4Config.tiny()
+    save_random_checkpoint(tmp_path, config, seed=5)
+    hf = transformers.DeepseekV4ForCausalLM.from_pretrained(tmp_path).eval()
+    assert (_ours(tmp_path) - hf_logits(hf, PROMPT)).abs().max() <= 1e-4
+    again = tmp_path / "again"
+    save_random_checkpoint(again, config, seed=5)
+    assert torch.equal(_ours(again), _ours(tmp_path))
+
+
+def _drop(name: str) -> Callable[[dict[str, torch.Tensor]], None]:
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        del tensors[name]
+
+    return edit
+
+
+def _set(name: str, value: torch.Tensor) -> Callable[[dict[str, torch.Tensor]], None]:
+    return lambda tensors: tensors.__setitem__(name, value)
+
+
+def _fp8(name: str) -> Callable[[dict[str, torch.Tensor]], None]:
+    return lambda tensors: tensors.__setitem__(name, tensors[name].to(torch.float8_e4m3fn))
+
+
+BAD_TENSORS: list[tuple[str, Callable[[dict[str, torch.Tensor]], None], str]] = [
+    (
+        "missing",
+        _drop("model.layers.0.attn.attn_sink"),
+        "missing tensor 'model.layers.0.self_attn.sinks'",
+    ),
+    (
+        "unexpected",
+        _set("model.layers.0.attn.bogus.weight", torch.zeros(2)),
+        "unexpected tensor 'model.layers.0.attn.bogus.weight'",
+    ),
+    (
+        "mis-shaped",
+        _set("model.layers.1.attn.compressor.ape", torch.zeros(3, 3)),
+        "'model.layers.1.attn.compressor.ape' in model.safetensors has shape [3, 3], "
+        "expected [4, 64]",
+    ),
+    (
+        "fp8",
+        _fp8("model.layers.2.attn.wq_a.weight"),
+        "'model.layers.2.attn.wq_a.weight' in model.safetensors is quantised (fp8/fp4) F8_E4M3",
+    ),
+    (
+        "fp4 packed",
+        _set("model.layers.0.ffn.experts.1.w1.weight", torch.zeros(64, 64, dtype=torch.uint8)),
+        "'model.layers.0.ffn.experts.1.w1.weight' in model.safetensors is quantised (fp8/fp4) U8",
+    ),
+    (
+        "scale",
+        _set("model.layers.0.attn.wkv.scale", torch.ones(1)),
+        "'model.layers.0.attn.wkv.scale' in model.safetensors is a quantisation scale",
+    ),
+    (
+        "missing expert",
+        _drop("model.layers.2.ffn.experts.3.w3.weight"),
+        "missing tensor 'model.layers.2.mlp.experts.3.w3.weight'",
+    ),
+    (
+        "float hash table",
+        _set("model.layers.0.ffn.gate.tid2eid", torch.zeros(320, 2)),
+        "'model.layers.0.ffn.gate.tid2eid' in model.safetensors is F32",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"), [b[1:] for b in BAD_TENSORS], ids=[b[0] for b in BAD_TENSORS]
+)
+def test_bad_tensors_give_one_line_errors(
+    hf_saved: tuple[Path, torch.Tensor],
+    tmp_path: Path,
+    edit: Callable[[dict[str, torch.Tensor]], None],
+    message: str,
+) -> None:
+    directory = _rewrite(hf_saved[0], tmp_path / "bad", edit)
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(directory)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_bad_directories_give_one_line_errors(
+    hf_saved: tuple[Path, torch.Tensor], tmp_path: Path
+) -> None:
+    with pytest.raises(CheckpointError, match=r"no config\.json"):
+        load_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(DeepseekV4Config.tiny().to_hf_dict()))
+    with pytest.raises(CheckpointError, match=r"no \*\.safetensors files"):
+        load_checkpoint(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(CheckpointError, match=r"cannot read model\.safetensors") as error:
+        load_checkpoint(tmp_path)
+    assert "\n" not in str(error.value)
+    bad_config = _rewrite(hf_saved[0], tmp_path / "bad-config", lambda tensors: None)
+    raw = json.loads((bad_config / "config.json").read_text())
+    (bad_config / "config.json").write_text(json.dumps({**raw, "o_groups": 3}))
+    with pytest.raises(ConfigError, match="divisible by o_groups"):
+        load_checkpoint(bad_config)
