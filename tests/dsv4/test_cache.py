@@ -1,0 +1,122 @@
+"""Paged caches: layout, binding, padded tokens write nothing, both metadata builders agree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dsv4.cache import PagedKVCaches, allocate_kv_caches
+from dsv4.config import CSA, HCA, SLIDING, DeepseekV4Config
+from dsv4.metadata import AttentionMetadata, MetadataBuffers, ScheduledChunk, new_metadata
+from dsv4.model import DeepseekV4ForCausalLM
+from graphs import ForwardContext, forward_context
+from tests.dsv4.support import configs, random_model
+
+torch.set_num_threads(1)
+
+BLOCK, ROWS, MAX_BLOCKS = 4, 2, 8
+
+
+def _step(
+    model: DeepseekV4ForCausalLM,
+    metadata: AttentionMetadata,
+    positions: torch.Tensor,
+    ids: list[int],
+) -> torch.Tensor:
+    padded = ids + [0] * (metadata.num_tokens - len(ids))
+    with torch.inference_mode(), forward_context(ForwardContext(attn_metadata=metadata)):
+        return model(torch.tensor(padded), positions)
+
+
+def _chunk(row: int, start: int, count: int) -> ScheduledChunk:
+    blocks = tuple(range(row * MAX_BLOCKS, (row + 1) * MAX_BLOCKS))
+    return ScheduledChunk(row=row, block_ids=blocks, start_position=start, num_tokens=count)
+
+
+def _fresh(config: DeepseekV4Config) -> tuple[DeepseekV4ForCausalLM, PagedKVCaches]:
+    model = random_model(config, 4)
+    caches = allocate_kv_caches(config, num_blocks=ROWS * MAX_BLOCKS, block_size=BLOCK)
+    model.bind_kv_caches(caches)
+    return model, caches
+
+
+@settings(max_examples=10)
+@given(
+    config=configs(max_layers=2),
+    history=st.integers(1, 20),
+    pads=st.integers(1, 5),
+    ids=st.lists(st.integers(0, 63), min_size=20, max_size=20),
+)
+def test_padded_tokens_write_nothing(
+    config: DeepseekV4Config, history: int, pads: int, ids: list[int]
+) -> None:
+    """An all-padding step leaves every cache row but the write sink bit-identical, and a
+    padded batch writes exactly the rows (and gives the logits) of the unpadded one."""
+    model, caches = _fresh(config)
+    chunk = _chunk(1, 0, history)
+    metadata, positions = new_metadata(
+        [chunk], num_tokens=history, block_size=BLOCK, max_rows=ROWS, max_blocks=MAX_BLOCKS
+    )
+    unpadded_logits = _step(model, metadata, positions, ids[:history])
+    before = [t.clone() for t in caches.tensors()]
+    padding, positions = new_metadata(
+        [], num_tokens=pads, block_size=BLOCK, max_rows=ROWS, max_blocks=MAX_BLOCKS
+    )
+    _step(model, padding, positions, [])
+    for old, new in zip(before, caches.tensors(), strict=True):
+        assert torch.equal(old[:-1], new[:-1])
+
+    padded_model, padded_caches = _fresh(config)
+    metadata, positions = new_metadata(
+        [chunk], num_tokens=history + pads, block_size=BLOCK, max_rows=ROWS, max_blocks=MAX_BLOCKS
+    )
+    padded_logits = _step(padded_model, metadata, positions, ids[:history])
+    torch.testing.assert_close(padded_logits[:history], unpadded_logits, rtol=0, atol=1e-6)
+    for old, new in zip(before, padded_caches.tensors(), strict=True):
+        assert torch.equal(old[:-1] != 0, new[:-1] != 0)
+        torch.testing.assert_close(old[:-1], new[:-1], rtol=0, atol=1e-6)
+
+
+def test_persistent_and_fresh_metadata_give_equal_logits() -> None:
+    config = DeepseekV4Config.tiny()
+    chunks = [_chunk(0, 0, 9), _chunk(1, 0, 5)]
+    fresh_model, _ = _fresh(config)
+    metadata, positions = new_metadata(
+        chunks, num_tokens=16, block_size=BLOCK, max_rows=ROWS, max_blocks=MAX_BLOCKS
+    )
+    ids = list(range(14))
+    expected = _step(fresh_model, metadata, positions, ids)
+    persistent_model, _ = _fresh(config)
+    buffers = MetadataBuffers(max_tokens=32, block_size=BLOCK, max_rows=ROWS, max_blocks=MAX_BLOCKS)
+    positions = torch.zeros(32, dtype=torch.long)
+    metadata = buffers.write(chunks, num_tokens=16, positions_out=positions)
+    assert torch.equal(_step(persistent_model, metadata, positions[:16], ids), expected)
+
+
+def test_cache_layout_per_layer_type() -> None:
+    config = DeepseekV4Config.tiny()
+    caches = allocate_kv_caches(config, num_blocks=3, block_size=5, dtype=torch.float64)
+    rows = 3 * 5 + 1
+    by_type = dict(zip(config.layer_types, caches.layers, strict=True))
+    assert by_type[SLIDING].compressor is None and by_type[SLIDING].indexer is None
+    assert by_type[HCA].indexer is None
+    hca, csa = by_type[HCA].compressor, by_type[CSA].compressor
+    assert hca is not None and csa is not None and by_type[CSA].indexer is not None
+    assert hca.kv.shape == (rows, config.head_dim)
+    assert csa.kv.shape == (rows, 2 * config.head_dim)
+    assert by_type[CSA].indexer.entries.shape == (rows, config.index_head_dim)
+    assert len(caches.tensors()) == 1 + 4 + 7
+    assert all(t.dtype == torch.float64 and not t.any() for t in caches.tensors())
+    with pytest.raises(ValueError, match="at least one block"):
+        allocate_kv_caches(config, num_blocks=0, block_size=4)
+
+
+def test_binding_caches_of_another_model_fails() -> None:
+    model = DeepseekV4ForCausalLM(DeepseekV4Config.tiny())
+    other = DeepseekV4Config.tiny().to_hf_dict() | {"num_hidden_layers": 2}
+    other["layer_types"], other["mlp_layer_types"] = [SLIDING, CSA], ["moe", "moe"]
+    caches = allocate_kv_caches(DeepseekV4Config.from_hf_dict(other), num_blocks=2, block_size=4)
+    with pytest.raises(ValueError, match="caches hold 2 layers, the model has 3"):
+        model.bind_kv_caches(caches)
