@@ -5,7 +5,7 @@ class, graph modes and eager region follow DESIGN §3, with a reason for every c
 Imports ``graphs``, ``platforms`` and ``dsv4``; nothing is resolved at import time.
 """
 
-from runners.base import CacheLayout, ModelRunner
+from runners.base import ModelRunner
 from runners.batch import DEFAULT_CAPTURE_SIZES, BatchDescriptor
 from runners.errors import (
     CaptureSizeError,
@@ -16,6 +16,7 @@ from runners.errors import (
     UnknownRunnerError,
     UnsafeRegionError,
 )
+from runners.layout import CacheLayout
 from runners.modes import CUDAGraphMode
 from runners.resolution import DEFAULT_V2_ARCHITECTURES, RUNNER_ENV, Resolution, resolve
 from runners.v1 import ModelRunnerV1

@@ -4,19 +4,20 @@ One step: ``execute(chunks, token_ids)`` classifies the batch (uniform decode or
 the basic graph mode for that kind, pads the token count to the next capture size, captures the
 graph for that (mode, size) if it does not exist yet, writes the step's inputs and attention
 metadata, and replays — or runs eagerly under mode ``NONE`` or above the largest capture size.
-It returns the logits of each chunk's last token.
+It returns the logits of each chunk's last token. A runner satisfies the engine's
+``StepExecutor`` protocol.
 
 Invariants:
 - ``input_ids`` and ``positions`` are persistent buffers sized to the token budget; every step
   (eager, capture or replay) reads slices of them, so captured work reads them at fixed addresses.
 - The runner owns the paged KV caches and binds them to the model once.
-- A graph is captured with *dummy* metadata (all tokens padding, slot -1: nothing is written to
-  the caches) before the step's real metadata is written; replays see the real metadata only
-  where the runner's metadata is address-stable (V2) or read eagerly (V1's wide region).
+- A graph is captured with dummy metadata before the step's real metadata is written (see
+  ``runners.captured``); replays see the real metadata only where the runner's metadata is
+  address-stable (V2) or read eagerly (V1's wide region). The capture audit checks exactly that.
 - The forward context (metadata, batch descriptor, runtime mode) is set for exactly one step.
 - FULL graphs serve uniform-decode batches only; mixed batches never run under FULL.
-- Subclasses differ only in how metadata is built (``_write_metadata``) and which extra memory is
-  static (``_static_metadata``); the region each requires is a class attribute.
+- Subclasses differ only in how metadata is built (``_write_metadata``) and which metadata memory
+  is static (``_static_metadata``); the region each requires is a class attribute.
 """
 
 from __future__ import annotations
@@ -25,49 +26,27 @@ import abc
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
-import attrs
 import torch
 
+from dsv4.cache import allocate_kv_caches
 from dsv4.metadata import AttentionMetadata, ScheduledChunk
-from graphs.capture import BreakableCapture
+from graphs.audit import AuditFinding, AuditMode
 from graphs.forward_context import ForwardContext, forward_context
 from graphs.strategies import EagerRegionStrategy
 from platforms.base import Platform
 from runners.batch import DEFAULT_CAPTURE_SIZES, BatchDescriptor, CaptureSizes
+from runners.captured import CapturedGraph, capture_step, static_memory
 from runners.errors import RunnerInputError
+from runners.layout import CacheLayout
 from runners.modes import CUDAGraphMode
-from runners.static_memory import audited_capture
 
 if TYPE_CHECKING:
-    from dsv4.cache import PagedKVCaches
     from dsv4.model import DeepseekV4ForCausalLM
+    from runners.resolution import Resolution
 
-__all__ = ["CacheLayout", "CapturedGraph", "ModelRunner"]
+__all__ = ["ModelRunner"]
 
-
-@attrs.frozen(kw_only=True)
-class CacheLayout:
-    """Shape of the paged caches and the block table a runner allocates."""
-
-    num_blocks: int = attrs.field(validator=attrs.validators.gt(0))
-    block_size: int = attrs.field(validator=attrs.validators.gt(0))
-    max_rows: int = attrs.field(validator=attrs.validators.gt(0))
-    """Requests that can be in flight at once (rows of the block table)."""
-    max_blocks_per_row: int = attrs.field(validator=attrs.validators.gt(0))
-
-    @property
-    def max_context(self) -> int:
-        return self.max_blocks_per_row * self.block_size
-
-
-@attrs.frozen(kw_only=True)
-class CapturedGraph:
-    """One captured step: the capture to replay and the logits tensor it writes."""
-
-    mode: CUDAGraphMode
-    num_tokens: int
-    capture: BreakableCapture
-    logits: torch.Tensor
+GraphKey = tuple[CUDAGraphMode, int]
 
 
 class ModelRunner(abc.ABC):
@@ -89,8 +68,9 @@ class ModelRunner(abc.ABC):
         mixed_mode: CUDAGraphMode = CUDAGraphMode.PIECEWISE,
         capture_sizes: Iterable[int] = DEFAULT_CAPTURE_SIZES,
         max_num_tokens: int = 256,
-        audit: bool = True,
+        audit: AuditMode = "raise",
     ) -> None:
+        """``audit``: ``"raise"`` at an unstable captured read, ``"report"`` it, or ``"off"``."""
         for kind, mode in (("decode", decode_mode), ("mixed", mixed_mode)):
             if not mode.is_basic:
                 raise ValueError(f"the {kind} mode must be NONE, PIECEWISE or FULL, not {mode}")
@@ -105,23 +85,54 @@ class ModelRunner(abc.ABC):
         self.mixed_mode = mixed_mode
         self.max_num_tokens = max_num_tokens
         self.capture_sizes = CaptureSizes.of(capture_sizes, max_num_tokens=max_num_tokens)
-        self.audit = audit
+        self.audit: AuditMode = audit
         self.vocab_size: int = model.config.vocab_size
-        from dsv4.cache import allocate_kv_caches
-
-        dtype = next(model.parameters()).dtype
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, device=self.device)
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=self.device)
-        self.kv_caches: PagedKVCaches = allocate_kv_caches(
+        self.kv_caches = allocate_kv_caches(
             model.config,
             num_blocks=layout.num_blocks,
             block_size=layout.block_size,
             device=self.device,
-            dtype=dtype,
+            dtype=next(model.parameters()).dtype,
         )
         model.bind_kv_caches(self.kv_caches)
+        self.static_memory = static_memory(
+            model,
+            inputs={"input_ids": self.input_ids, "positions": self.positions},
+            kv_caches=self.kv_caches.tensors(),
+            metadata=self._static_metadata(),
+        )
         self._backend = platform.graph_backend()
-        self._graphs: dict[tuple[CUDAGraphMode, int], CapturedGraph] = {}
+        self._graphs: dict[GraphKey, CapturedGraph] = {}
+
+    @classmethod
+    def from_resolution(
+        cls,
+        resolution: Resolution,
+        model: DeepseekV4ForCausalLM,
+        *,
+        layout: CacheLayout,
+        capture_sizes: Iterable[int] = DEFAULT_CAPTURE_SIZES,
+        max_num_tokens: int = 256,
+        audit: AuditMode = "raise",
+    ) -> ModelRunner:
+        """The resolved runner class over ``model``, recomposed with the resolved eager region."""
+        if not issubclass(resolution.runner, cls):
+            raise TypeError(
+                f"the resolution chose {resolution.runner.__name__}, not {cls.__name__}"
+            )
+        model.set_eager_region(resolution.eager_region)
+        return resolution.runner(
+            model,
+            platform=resolution.platform,
+            layout=layout,
+            decode_mode=resolution.decode_mode,
+            mixed_mode=resolution.mixed_mode,
+            capture_sizes=capture_sizes,
+            max_num_tokens=max_num_tokens,
+            audit=audit,
+        )
 
     # -- subclass hooks --------------------------------------------------------------------------
     @abc.abstractmethod
@@ -131,8 +142,8 @@ class ModelRunner(abc.ABC):
         """Metadata for ``chunks`` padded to ``num_tokens``; also fills ``positions[:T]``."""
 
     @abc.abstractmethod
-    def _static_metadata(self) -> tuple[torch.Tensor, ...]:
-        """Metadata memory that stays at fixed addresses across steps (none for V1)."""
+    def _static_metadata(self) -> dict[str, torch.Tensor]:
+        """Metadata memory at fixed addresses across steps, by name (none for V1)."""
 
     # -- public API ------------------------------------------------------------------------------
     def execute(
@@ -149,33 +160,33 @@ class ModelRunner(abc.ABC):
         flat = [t for ids in token_ids for t in ids]
         self.input_ids[:num_tokens].copy_(torch.tensor(flat, dtype=torch.int64))
         self.input_ids[num_tokens:padded].zero_()
-        metadata = self._write_metadata(chunks, padded)
         ctx = ForwardContext(
-            attn_metadata=metadata,
+            attn_metadata=self._write_metadata(chunks, padded),
             batch_descriptor=BatchDescriptor(num_tokens=padded, uniform_decode=uniform),
             runtime_mode=mode,
         )
+        ends = torch.tensor(_last_token_indices(chunks), device=self.device)
         with forward_context(ctx), torch.inference_mode():
             if graph is None:
                 logits = self.model(self.input_ids[:padded], self.positions[:padded])
             else:
                 graph.capture.replay()
                 logits = graph.logits
-            ends = torch.tensor(_last_token_indices(chunks), device=logits.device)
             return logits.index_select(0, ends)
 
     def capture(self) -> None:
         """Capture every (mode, size) this runner can dispatch to, largest size first."""
+        modes = [m for m in (self.decode_mode, self.mixed_mode) if m is not CUDAGraphMode.NONE]
         for size in self.capture_sizes.largest_first():
-            for mode in self._capturing_modes():
+            for mode in dict.fromkeys(modes):
                 self._graph(mode, size)
 
     def clear_graphs(self) -> None:
-        """Drop every captured graph; the next steps capture again."""
+        """Drop every captured graph; later steps capture again."""
         self._graphs.clear()
 
     @property
-    def captured(self) -> tuple[tuple[CUDAGraphMode, int], ...]:
+    def captured(self) -> tuple[GraphKey, ...]:
         """The (mode, padded size) keys captured so far, in capture order."""
         return tuple(self._graphs)
 
@@ -187,9 +198,27 @@ class ModelRunner(abc.ABC):
     def num_eager_breaks(self) -> int:
         return sum(g.capture.num_eager_breaks for g in self._graphs.values())
 
-    def static_tensors(self) -> tuple[torch.Tensor, ...]:
-        """Every tensor captured work may read at a fixed address besides model weights."""
-        return (self.input_ids, self.positions, *self.kv_caches.tensors(), *self._static_metadata())
+    @property
+    def audit_findings(self) -> tuple[AuditFinding, ...]:
+        """Every finding of the captures so far (collected when ``audit == "report"``)."""
+        return tuple(f for g in self._graphs.values() for f in g.audit)
+
+    # The sizes the engine's ``StepExecutor`` protocol reads.
+    @property
+    def max_rows(self) -> int:
+        return self.layout.max_rows
+
+    @property
+    def num_blocks(self) -> int:
+        return self.layout.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
+    @property
+    def max_blocks_per_row(self) -> int:
+        return self.layout.max_blocks_per_row
 
     def __repr__(self) -> str:
         return (
@@ -198,35 +227,22 @@ class ModelRunner(abc.ABC):
             f"captured={len(self._graphs)})"
         )
 
-    # -- internals ---------------------------------------------------------------------------------
-    def _capturing_modes(self) -> list[CUDAGraphMode]:
-        modes = {self.decode_mode, self.mixed_mode} - {CUDAGraphMode.NONE}
-        return sorted(modes, key=lambda m: m.value)
-
+    # -- internals -------------------------------------------------------------------------------
     def _graph(self, mode: CUDAGraphMode, size: int) -> CapturedGraph:
         key = (mode, size)
         if key not in self._graphs:
-            self._graphs[key] = self._capture_one(mode, size)
+            self._graphs[key] = capture_step(
+                self.model,
+                mode=mode,
+                input_ids=self.input_ids[:size],
+                positions=self.positions[:size],
+                dummy_metadata=lambda: self._write_metadata((), size),
+                backend=self._backend,
+                static=self.static_memory,
+                audit=self.audit,
+                warmup=self.device.type == "cuda",
+            )
         return self._graphs[key]
-
-    def _capture_one(self, mode: CUDAGraphMode, size: int) -> CapturedGraph:
-        """Capture one step of ``size`` padding tokens: dummy metadata, nothing written."""
-        self.input_ids[:size].zero_()
-        metadata = self._write_metadata((), size)
-        ctx = ForwardContext(
-            attn_metadata=metadata,
-            batch_descriptor=BatchDescriptor(
-                num_tokens=size, uniform_decode=mode is CUDAGraphMode.FULL
-            ),
-            runtime_mode=mode,
-        )
-        inputs = (self.input_ids[:size], self.positions[:size])
-        with forward_context(ctx), torch.inference_mode():
-            if self.device.type == "cuda":
-                self.model(*inputs)  # warm-up: lazy library initialisation is not capturable
-            with audited_capture(self, full=mode is CUDAGraphMode.FULL) as capture:
-                logits = self.model(*inputs)
-        return CapturedGraph(mode=mode, num_tokens=size, capture=capture, logits=logits)
 
     def _validate(
         self, chunks: Sequence[ScheduledChunk], token_ids: Sequence[Sequence[int]]
@@ -241,23 +257,17 @@ class ModelRunner(abc.ABC):
         if len(set(rows)) != len(rows):
             raise RunnerInputError(f"block-table rows repeat within one step: {rows}")
         for chunk, ids in zip(chunks, token_ids, strict=True):
+            where = f"row {chunk.row}"
             if len(ids) != chunk.num_tokens:
-                raise RunnerInputError(
-                    f"row {chunk.row}: {len(ids)} token ids for a chunk of {chunk.num_tokens}"
-                )
+                raise RunnerInputError(f"{where}: {len(ids)} token ids for {chunk.num_tokens}")
             if not 0 <= chunk.row < self.layout.max_rows:
-                raise RunnerInputError(
-                    f"row {chunk.row} outside the block table's {self.layout.max_rows} rows"
-                )
+                raise RunnerInputError(f"{where} is outside 0..{self.layout.max_rows - 1}")
             if any(not 0 <= b < self.layout.num_blocks for b in chunk.block_ids):
                 raise RunnerInputError(
-                    f"row {chunk.row}: block ids {chunk.block_ids} outside "
-                    f"0..{self.layout.num_blocks - 1}"
+                    f"{where}: block ids {chunk.block_ids} outside 0..{self.layout.num_blocks - 1}"
                 )
             if any(not 0 <= t < self.vocab_size for t in ids):
-                raise RunnerInputError(
-                    f"row {chunk.row}: token ids outside the vocabulary 0..{self.vocab_size - 1}"
-                )
+                raise RunnerInputError(f"{where}: token ids outside 0..{self.vocab_size - 1}")
         total = sum(chunk.num_tokens for chunk in chunks)
         if total > self.max_num_tokens:
             raise RunnerInputError(

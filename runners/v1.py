@@ -45,5 +45,5 @@ class ModelRunnerV1(ModelRunner):
         self.positions[:num_tokens].copy_(positions)
         return metadata
 
-    def _static_metadata(self) -> tuple[torch.Tensor, ...]:
-        return ()
+    def _static_metadata(self) -> dict[str, torch.Tensor]:
+        return {}

@@ -49,5 +49,10 @@ class ModelRunnerV2(ModelRunner):
             chunks, num_tokens=num_tokens, positions_out=self.positions
         )
 
-    def _static_metadata(self) -> tuple[torch.Tensor, ...]:
-        return self.metadata_buffers.tensors()
+    def _static_metadata(self) -> dict[str, torch.Tensor]:
+        buffers = self.metadata_buffers
+        return {
+            "metadata.token_request": buffers.token_request,
+            "metadata.slot_mapping": buffers.slot_mapping,
+            "metadata.block_table": buffers.block_table,
+        }

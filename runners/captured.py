@@ -1,0 +1,103 @@
+"""One captured step, and the static memory a runner declares to the capture audit.
+
+Invariants:
+- A step is captured with *dummy* metadata — every token is padding (slot -1), so the capture
+  writes nothing into the KV caches — built under an ``AllocationTracker``, so an audit finding
+  about a metadata tensor names the line that allocated it.
+- The static memory of a runner is its input buffers, its KV caches, its persistent metadata (V2
+  only) and every parameter and buffer of the model, each registered under a readable name.
+- ``CapturedGraph.logits`` is the tensor the capture's last segment writes; it is valid right
+  after ``replay()`` and may be overwritten by any later replay on the same pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import attrs
+import torch
+
+from graphs.allocations import AllocationTracker
+from graphs.audit import AuditMode, AuditReport
+from graphs.backend import GraphBackend
+from graphs.capture import BreakableCapture
+from graphs.forward_context import ForwardContext, forward_context
+from graphs.static_memory import StaticMemory
+from runners.batch import BatchDescriptor
+from runners.modes import CUDAGraphMode
+
+__all__ = ["CapturedGraph", "capture_step", "static_memory"]
+
+
+@attrs.frozen(kw_only=True)
+class CapturedGraph:
+    """One captured step: the capture to replay, the logits it writes, its audit report."""
+
+    mode: CUDAGraphMode
+    num_tokens: int
+    capture: BreakableCapture
+    logits: torch.Tensor
+
+    @property
+    def audit(self) -> AuditReport:
+        return self.capture.audit_report
+
+
+def static_memory(
+    model: torch.nn.Module,
+    *,
+    inputs: dict[str, torch.Tensor],
+    kv_caches: Iterable[torch.Tensor],
+    metadata: dict[str, torch.Tensor],
+) -> StaticMemory:
+    """The memory captured work may read at fixed addresses, each under a readable name."""
+    static = StaticMemory()
+    static.register_module(model)
+    for name, tensor in (*inputs.items(), *metadata.items()):
+        static.register(tensor, name)
+    static.register_many(kv_caches, "kv_cache")
+    return static
+
+
+def capture_step(
+    model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    mode: CUDAGraphMode,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    dummy_metadata: Callable[[], object],
+    backend: GraphBackend,
+    static: StaticMemory,
+    audit: AuditMode,
+    warmup: bool,
+) -> CapturedGraph:
+    """Capture ``model(input_ids, positions)`` under ``mode`` with dummy metadata.
+
+    ``dummy_metadata`` fills the positions and returns all-padding metadata; ``warmup`` runs the
+    step once eagerly first (on CUDA, library handles are created lazily and cannot be created
+    inside a graph).
+    """
+    size = int(input_ids.shape[0])
+    input_ids.zero_()
+    tracker = AllocationTracker()
+    with tracker:
+        metadata = dummy_metadata()
+    ctx = ForwardContext(
+        attn_metadata=metadata,
+        batch_descriptor=BatchDescriptor(
+            num_tokens=size, uniform_decode=mode is CUDAGraphMode.FULL
+        ),
+        runtime_mode=mode,
+    )
+    with forward_context(ctx), torch.inference_mode():
+        if warmup:
+            model(input_ids, positions)
+        with BreakableCapture(
+            backend,
+            full=mode is CUDAGraphMode.FULL,
+            static=static,
+            audit=audit,
+            allocations=tracker,
+        ) as capture:
+            logits = model(input_ids, positions)
+    return CapturedGraph(mode=mode, num_tokens=size, capture=capture, logits=logits)
