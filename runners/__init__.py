@@ -1,12 +1,14 @@
 """Model runners: persistent inputs, capture sizes and dispatch, graph modes, and resolution.
 
 ``resolve`` turns (architecture, platform, user overrides) into a ``Resolution`` whose runner
-class, graph modes and eager region follow DESIGN §3, with a reason for every choice.
+class, graph modes and eager region follow DESIGN §3, with a reason for every choice;
+``ModelRunner.from_resolution`` builds the runner, and ``LLM`` (the engine) drives it.
 Imports ``graphs``, ``platforms`` and ``dsv4``; nothing is resolved at import time.
 """
 
 from runners.base import ModelRunner
 from runners.batch import DEFAULT_CAPTURE_SIZES, BatchDescriptor
+from runners.engine import LLM, SamplingParams
 from runners.errors import (
     CaptureSizeError,
     ResolutionError,
@@ -18,13 +20,20 @@ from runners.errors import (
 )
 from runners.layout import CacheLayout
 from runners.modes import CUDAGraphMode
-from runners.resolution import DEFAULT_V2_ARCHITECTURES, RUNNER_ENV, Resolution, resolve
+from runners.resolution import (
+    DEFAULT_V2_ARCHITECTURES,
+    RUNNER_ENV,
+    Resolution,
+    resolve,
+    runner_from_name,
+)
 from runners.v1 import ModelRunnerV1
 from runners.v2 import ModelRunnerV2
 
 __all__ = [
     "DEFAULT_CAPTURE_SIZES",
     "DEFAULT_V2_ARCHITECTURES",
+    "LLM",
     "RUNNER_ENV",
     "BatchDescriptor",
     "CUDAGraphMode",
@@ -36,9 +45,11 @@ __all__ = [
     "Resolution",
     "ResolutionError",
     "RunnerInputError",
+    "SamplingParams",
     "UnknownEagerRegionError",
     "UnknownModeError",
     "UnknownRunnerError",
     "UnsafeRegionError",
     "resolve",
+    "runner_from_name",
 ]

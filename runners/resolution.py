@@ -42,6 +42,7 @@ __all__ = [
     "RUNNER_ENV",
     "Resolution",
     "resolve",
+    "runner_from_name",
 ]
 
 DEFAULT_V2_ARCHITECTURES: frozenset[str] = frozenset({"DeepseekV4ForCausalLM"})
