@@ -181,7 +181,7 @@ class DeepseekV4Attention(nn.Module):
         bias = bias.masked_fill(~visible, float("-inf"))
         logits = torch.einsum("thd,tkd->thk", queries, keys) * self.scaling + bias.unsqueeze(1)
         sinks = self.sinks.view(1, -1, 1).expand(queries.shape[0], -1, 1)
-        logits = torch.cat((logits, sinks.to(logits.dtype)), dim=-1)
+        logits = torch.cat((logits.float(), sinks.float()), dim=-1)
         logits = logits - logits.amax(dim=-1, keepdim=True)
         probs = logits.softmax(dim=-1)[..., :-1].to(keys.dtype)
         prepared.out.copy_(torch.einsum("thk,tkd->thd", probs, keys))

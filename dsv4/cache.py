@@ -6,7 +6,8 @@ Layout (``S = num_blocks * block_size`` slots, plus one write-sink row, see ``ds
   ``sliding_window`` positions of its request through the block table.
 - ``CompressorCache`` (CSA and HCA layers; CSA also has one for the indexer):
   ``kv``/``gate`` ``[S+1, width]`` hold each token's compressor projections (``gate`` already
-  includes the position bias of the token's slot in its window) — the state of windows not yet
+  includes the fp32 position bias of the token's slot in its window, so it is kept in fp32
+  whatever the cache dtype, as the reference computes it) — the state of windows not yet
   complete, and of the previous window for the CSA overlap. ``entries`` ``[S+1, dim]`` holds
   pooled entries: entry ``w`` of a request lives at the slot of *position* ``w`` of that request
   (``w < n / m <= n``, so the request's own blocks always cover it).
@@ -74,7 +75,7 @@ def _compressor_cache(
     width = 2 * dim if overlap else dim
     return CompressorCache(
         kv=torch.zeros(rows, width, device=device, dtype=dtype),
-        gate=torch.zeros(rows, width, device=device, dtype=dtype),
+        gate=torch.zeros(rows, width, device=device, dtype=torch.float32),
         entries=torch.zeros(rows, dim, device=device, dtype=dtype),
     )
 

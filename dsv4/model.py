@@ -10,7 +10,8 @@ reading ``get_forward_context().attn_metadata``; caches are allocated by the run
 of every attention layer changes only through ``set_eager_region``. Padded tokens (slot -1)
 give finite garbage and write nothing.
 
-Dtypes: parameters take the requested dtype except those the reference keeps in fp32 (norm
+Inference only: parameters do not require gradients (so cache writes never record autograd
+history). Dtypes: parameters take the requested dtype except those the reference keeps in fp32 (norm
 weights, hyper-connection parameters, sinks, position biases, router bias); RoPE frequencies
 stay fp32 too.
 """
@@ -117,6 +118,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._strategy = strategy
+        self.requires_grad_(False)
         self.to(device=device)
         for name, parameter in self.named_parameters():
             if not any(marker in name for marker in FP32_PARAMETER_MARKERS):

@@ -87,6 +87,18 @@ def test_random_checkpoint_loads_in_transformers_and_ours(tmp_path: Path) -> Non
     assert torch.equal(_ours(again), _ours(tmp_path))
 
 
+def test_bfloat16_model_equals_transformers_in_bfloat16(tmp_path: Path) -> None:
+    """Weights the reference keeps in fp32 stay fp32 here too, and rounding happens where the
+    reference rounds, so the two bf16 models agree (not merely both close to fp32)."""
+    save_random_checkpoint(tmp_path, DeepseekV4Config.tiny(), seed=1)
+    hf = transformers.DeepseekV4ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    ours = load_checkpoint(tmp_path, dtype=torch.bfloat16)
+    hf_fp32 = {n for n, p in hf.named_parameters() if p.dtype == torch.float32}
+    assert hf_fp32 == {n for n, p in ours.named_parameters() if p.dtype == torch.float32}
+    logits = run_schedule(ours, [PROMPT], [[(0, len(PROMPT))]])[0]
+    assert (logits - hf_logits(hf.eval(), PROMPT)).abs().max() <= 1e-2
+
+
 def _drop(name: str) -> Callable[[dict[str, torch.Tensor]], None]:
     def edit(tensors: dict[str, torch.Tensor]) -> None:
         del tensors[name]
