@@ -54,9 +54,7 @@ def configs(draw: st.DrawFn, *, max_layers: int = 3) -> DeepseekV4Config:
         o_lora_rank=draw(st.sampled_from([4, 8])),
         partial_rotary_factor=factor,
         sliding_window=draw(st.integers(1, 12)),
-        layer_types=draw(
-            st.lists(st.sampled_from([SLIDING, CSA, HCA]), min_size=layers, max_size=layers)
-        ),
+        layer_types=draw(layer_types(layers)),
         compress_rate_csa=draw(st.integers(1, 4)),
         compress_rate_hca=draw(st.integers(2, 8)),
         index_n_heads=draw(st.integers(8, 10)),
@@ -81,8 +79,17 @@ def configs(draw: st.DrawFn, *, max_layers: int = 3) -> DeepseekV4Config:
     )
 
 
+def layer_types(layers: int) -> st.SearchStrategy[list[str]]:
+    """Distinct types in random order (so every type is common), or any mix with repeats."""
+    distinct = st.permutations([SLIDING, CSA, HCA]).map(lambda types: types[:layers])
+    mixed = st.lists(st.sampled_from([SLIDING, CSA, HCA]), min_size=layers, max_size=layers)
+    return distinct | mixed
+
+
 def prompts(min_len: int = 1, max_len: int = 40) -> st.SearchStrategy[list[int]]:
-    return st.lists(st.integers(0, VOCAB - 1), min_size=min_len, max_size=max_len)
+    """Token lists whose length is drawn first (plain lists would be mostly very short)."""
+    tokens = st.integers(0, VOCAB - 1)
+    return st.integers(min_len, max_len).flatmap(lambda n: st.lists(tokens, min_size=n, max_size=n))
 
 
 def chunk_sizes(length: int, max_chunk: int) -> st.SearchStrategy[list[int]]:

@@ -63,7 +63,7 @@ def _chunks(starts: list[int], sizes: list[int]) -> list[ScheduledChunk]:
     ]
 
 
-@settings(max_examples=10)
+@settings(max_examples=15)
 @given(
     config=configs(max_layers=3),
     layer_pick=st.integers(0, 2),

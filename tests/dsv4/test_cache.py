@@ -42,7 +42,7 @@ def _fresh(config: DeepseekV4Config) -> tuple[DeepseekV4ForCausalLM, PagedKVCach
     return model, caches
 
 
-@settings(max_examples=10)
+@settings(max_examples=15)
 @given(
     config=configs(max_layers=2),
     history=st.integers(1, 20),

@@ -22,7 +22,7 @@ torch.set_num_threads(1)
 TOLERANCE = 1e-4
 
 
-@settings(max_examples=20)
+@settings(max_examples=40)
 @given(
     config=configs(),
     batch=st.lists(prompts(), min_size=1, max_size=3),
@@ -46,7 +46,7 @@ def test_batched_prefill_equals_hf(
 def cached_cases(draw: st.DrawFn) -> tuple[DeepseekV4Config, list[list[int]], list[list[int]]]:
     """A config, prompts and, per prompt, a chunking: random chunks, all-ones (decode) or mixed."""
     config = draw(configs(max_layers=2))
-    batch = draw(st.lists(prompts(max_len=30), min_size=1, max_size=3))
+    batch = draw(st.lists(prompts(max_len=40), min_size=1, max_size=3))
     chunkings = []
     for prompt in batch:
         style = draw(st.sampled_from(["chunks", "decode", "prefill-then-decode"]))
@@ -61,7 +61,7 @@ def cached_cases(draw: st.DrawFn) -> tuple[DeepseekV4Config, list[list[int]], li
     return config, batch, chunkings
 
 
-@settings(max_examples=15)
+@settings(max_examples=40)
 @given(
     case=cached_cases(),
     seed=st.integers(0, 2**16),
