@@ -76,6 +76,7 @@ def configs(draw: st.DrawFn, *, max_layers: int = 3) -> DeepseekV4Config:
         routed_scaling_factor=draw(st.sampled_from([1.0, 1.5])),
         swiglu_limit=draw(st.sampled_from([10.0, 0.5])),
         max_position_embeddings=128,
+        tie_word_embeddings=draw(st.booleans()),
     )
 
 

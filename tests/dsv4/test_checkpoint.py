@@ -7,6 +7,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 import transformers
@@ -77,8 +78,9 @@ def test_official_names_load_with_equal_logits(
     assert (_ours(official) - expected).abs().max() <= 1e-4
 
 
-def test_random_checkpoint_loads_in_transformers_and_ours(tmp_path: Path) -> None:
-    config = DeepseekV4Config.tiny()
+@pytest.mark.parametrize("tied", [False, True])
+def test_random_checkpoint_loads_in_transformers_and_ours(tmp_path: Path, tied: bool) -> None:
+    config = attrs.evolve(DeepseekV4Config.tiny(), tie_word_embeddings=tied)
     save_random_checkpoint(tmp_path, config, seed=5)
     hf = transformers.DeepseekV4ForCausalLM.from_pretrained(tmp_path).eval()
     assert (_ours(tmp_path) - hf_logits(hf, PROMPT)).abs().max() <= 1e-4
