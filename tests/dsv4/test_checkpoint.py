@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,6 +12,8 @@ import attrs
 import pytest
 import torch
 import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -18,11 +21,11 @@ from dsv4.checkpoint import load_checkpoint, save_random_checkpoint
 from dsv4.config import DeepseekV4Config
 from dsv4.errors import CheckpointError, ConfigError
 from dsv4.testing import run_schedule
-from tests.dsv4.support import hf_logits, hf_twin, random_model
+from tests.dsv4.support import configs, hf_logits, hf_twin, random_model
 
 torch.set_num_threads(1)
 
-PROMPT = list(range(1, 38))
+PROMPT = list(range(1, 38))  # below every test vocabulary (64)
 
 
 def _ours(model_dir: Path) -> torch.Tensor:
@@ -43,6 +46,18 @@ def test_save_pretrained_checkpoint_loads_with_equal_logits(
 ) -> None:
     directory, expected = hf_saved
     assert (_ours(directory) - expected).abs().max() <= 1e-4
+
+
+@settings(max_examples=6)
+@given(config=configs(), seed=st.integers(0, 2**16))
+def test_save_pretrained_of_random_configs_loads_with_equal_logits(
+    config: DeepseekV4Config, seed: int
+) -> None:
+    hf = hf_twin(random_model(config, seed))
+    with tempfile.TemporaryDirectory() as directory:
+        hf.save_pretrained(directory)
+        ours = run_schedule(load_checkpoint(directory), [PROMPT], [[(0, len(PROMPT))]])[0]
+    assert (ours - hf_logits(hf, PROMPT)).abs().max() <= 1e-4
 
 
 def _rewrite(source: Path, target: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> Path:
