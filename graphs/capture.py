@@ -17,6 +17,8 @@ Invariants:
 - The capture is thread-local; entering one while another is active in the thread raises
   ``CaptureError``; leaving the context, normally or by exception, always clears it.
 - A capture that raised, or that recorded nothing, cannot be replayed (``CaptureError``).
+- Replay runs in inference mode exactly when the capture was recorded in it, so eager segments
+  may write into the inference tensors the captured work made, wherever replay is called.
 - With an audit (``audit="raise"`` or ``"report"``; the default is ``"raise"`` when ``static``
   memory is given and ``"off"`` otherwise) every tensor captured work touches must be produced
   by captured work, be a module parameter, or be registered in ``static``; other accesses raise
@@ -101,6 +103,7 @@ class BreakableCapture:
         self._allocations = allocations
         self._audit: CaptureAudit | None = None
         self._audit_active = False
+        self._inference_mode = False
         self._segments: list[GraphSegment | EagerSegment] = []
         self._capturing = False
         self._state = "new"  # new -> capturing -> done | failed
@@ -111,6 +114,7 @@ class BreakableCapture:
             raise CaptureError("a BreakableCapture can be entered only once")
         _active.activate(self)
         self._state = "capturing"
+        self._inference_mode = torch.is_inference_mode_enabled()
         try:
             self._start_audit()
             self._begin_graph()
@@ -162,13 +166,14 @@ class BreakableCapture:
 
     # -- replay and introspection -------------------------------------------------------------
     def replay(self) -> None:
-        """Run every segment in capture order."""
+        """Run every segment in capture order, in inference mode if it was captured in it."""
         if self._state != "done":
             raise CaptureError(f"cannot replay a capture that is {self._state_words()}")
         if not self._segments:
             raise CaptureError("cannot replay an empty capture: nothing was recorded")
-        for segment in self._segments:
-            segment.replay()
+        with torch.inference_mode(self._inference_mode):
+            for segment in self._segments:
+                segment.replay()
 
     @property
     def audit_report(self) -> AuditReport:
