@@ -22,6 +22,7 @@ from platforms.registry import (
     PlatformRegistry,
     current_platform,
     get_platform,
+    platform_names,
     register_platform,
     unregister_platform,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "UnknownPlatformError",
     "current_platform",
     "get_platform",
+    "platform_names",
     "register_platform",
     "simulate",
     "unregister_platform",

@@ -45,6 +45,7 @@ __all__ = [
     "PlatformRegistry",
     "current_platform",
     "get_platform",
+    "platform_names",
     "register_platform",
     "unregister_platform",
 ]
@@ -190,6 +191,11 @@ def unregister_platform(name: str) -> None:
 def get_platform(name: str) -> Platform:
     """A fresh platform object by name; ``UnknownPlatformError`` lists the known names."""
     return _DEFAULT.get(name)
+
+
+def platform_names() -> tuple[str, ...]:
+    """Every platform name the default registry knows now (built-in, registered, plugins)."""
+    return _DEFAULT.names()
 
 
 def current_platform() -> Platform:

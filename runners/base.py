@@ -23,7 +23,8 @@ Invariants:
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 __all__ = ["ModelRunner"]
 
 GraphKey = tuple[CUDAGraphMode, int]
+CaptureCallback = Callable[[CUDAGraphMode, int, float], None]
 
 
 class ModelRunner(abc.ABC):
@@ -174,12 +176,21 @@ class ModelRunner(abc.ABC):
                 logits = graph.logits
             return logits.index_select(0, ends)
 
-    def capture(self) -> None:
-        """Capture every (mode, size) this runner can dispatch to, largest size first."""
+    def capture(self, on_captured: CaptureCallback | None = None) -> None:
+        """Capture every (mode, size) this runner can dispatch to, largest size first.
+
+        ``on_captured(mode, size, seconds)`` is called after each graph this call captures
+        (progress output and per-size capture timing); graphs captured earlier are skipped.
+        """
         modes = [m for m in (self.decode_mode, self.mixed_mode) if m is not CUDAGraphMode.NONE]
         for size in self.capture_sizes.largest_first():
             for mode in dict.fromkeys(modes):
+                if (mode, size) in self._graphs:
+                    continue
+                start = time.perf_counter()
                 self._graph(mode, size)
+                if on_captured is not None:
+                    on_captured(mode, size, time.perf_counter() - start)
 
     def clear_graphs(self) -> None:
         """Drop every captured graph; later steps capture again."""

@@ -1,0 +1,180 @@
+"""Measure decode-step latency (eager vs FULL vs PIECEWISE narrow and wide), capture cost and
+generation throughput; report medians of interleaved runs and their ratios.
+
+Examples:
+  dsv4 bench                                  # built-in tiny model, batch 1,4,16, 1 and 2 threads
+  dsv4 bench --vs-transformers --json         # also transformers' generate on the same weights
+  dsv4 bench --checkpoint ./ckpt --batch-sizes 1 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+from typing import Any
+
+from runners.cli.errors import UsageError
+from runners.cli.options import parse_int_list
+from runners.cli.progress import Progress
+
+__all__ = ["add_arguments", "execute", "render"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", metavar="DIR", help="default: the built-in tiny model")
+    parser.add_argument(
+        "--batch-sizes",
+        type=parse_int_list,
+        default=[1, 4, 16],
+        metavar="N,N,...",
+        help="decode batch sizes (default: 1,4,16)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=parse_int_list,
+        default=[1, 2],
+        metavar="N,N,...",
+        help="torch thread counts (default: 1,2)",
+    )
+    parser.add_argument("--repeats", type=int, default=50, help="timed rounds (default: 50)")
+    parser.add_argument(
+        "--vs-transformers",
+        action="store_true",
+        help="also time transformers' generate on the same weights (needs transformers)",
+    )
+    parser.add_argument(
+        "--generate-prompts", type=int, default=4, help="prompts for the throughput run (4)"
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="default: 32")
+    parser.add_argument("--rounds", type=int, default=3, help="throughput rounds (default: 3)")
+
+
+def _validate(args: argparse.Namespace) -> None:
+    for name in ("batch_sizes", "threads"):
+        if any(v < 1 for v in getattr(args, name)):
+            raise UsageError(f"--{name.replace('_', '-')} values must be >= 1")
+    for name in ("repeats", "generate_prompts", "max_new_tokens", "rounds"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
+    if max(args.batch_sizes) > 16:
+        raise UsageError("--batch-sizes are at most 16 (the runner's block-table rows)")
+
+
+def execute(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from runners.benchmark import capture_cost, decode_latency, decode_runners, engine_throughput
+    from runners.serving import EngineSpec, build_engine, build_model
+
+    _validate(args)
+    progress = Progress.for_terminal(json_output=args.json)
+    checkpoint = Path(args.checkpoint) if args.checkpoint else None
+    spec = EngineSpec(
+        checkpoint=checkpoint, capture_sizes=tuple(sorted(set(args.batch_sizes) | {16}))
+    )
+    payload: dict[str, Any] = {"checkpoint": args.checkpoint, "method": _METHOD}
+
+    progress.update("capturing every default size")
+    torch.set_num_threads(1)
+    default_engine = build_engine(EngineSpec(checkpoint=checkpoint))
+    pool = default_engine.runner.platform.memory_pool
+    cost = capture_cost(default_engine.runner, lambda: getattr(pool, "nbytes", None))
+    payload["capture"] = {
+        "seconds_per_graph": [list(t) for t in cost.seconds_per_graph],
+        "total_s": round(cost.total_seconds, 4),
+        "held_bytes": cost.held_bytes,
+    }
+    del default_engine
+
+    progress.update("building runners")
+    runners = decode_runners(spec, lambda: build_model(spec))
+    progress.update("timing decode steps")
+    latencies = decode_latency(
+        runners, batch_sizes=args.batch_sizes, threads=args.threads, repeats=args.repeats
+    )
+    payload["decode"] = [
+        {
+            "threads": row.threads,
+            "batch_size": row.batch_size,
+            "median_us": {k: round(v, 1) for k, v in row.median_us.items()},
+            "ratios": {
+                "full/eager": round(row.ratio("full", "eager"), 3),
+                "narrow/eager": round(row.ratio("narrow", "eager"), 3),
+                "wide/eager": round(row.ratio("wide", "eager"), 3),
+                "narrow/wide": round(row.ratio("narrow", "wide"), 3),
+            },
+        }
+        for row in latencies
+    ]
+    del runners
+
+    progress.update("timing generation")
+    torch.set_num_threads(1)
+    prompts = [
+        [(11 * p + 3 * i) % 256 for i in range(8 + 4 * p)] for p in range(args.generate_prompts)
+    ]
+    ours, our_tokens = engine_throughput(
+        EngineSpec(checkpoint=checkpoint), build_model(spec), prompts, args.max_new_tokens
+    )
+    rounds: dict[str, list[float]] = {"engine": []}
+    theirs = None
+    if args.vs_transformers:
+        from runners.hf_baseline import transformers_throughput
+
+        theirs, their_tokens = transformers_throughput(checkpoint, prompts, args.max_new_tokens)
+        rounds["transformers"] = []
+    for _ in range(args.rounds):
+        rounds["engine"].append(ours().tokens_per_s)
+        if theirs is not None:
+            rounds["transformers"].append(theirs().tokens_per_s)
+    generation: dict[str, Any] = {
+        "prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "tokens_per_s": {k: round(statistics.median(v), 2) for k, v in rounds.items()},
+    }
+    if theirs is not None:
+        tps = generation["tokens_per_s"]
+        generation["ratio_engine/transformers"] = round(tps["engine"] / tps["transformers"], 3)
+        generation["same_tokens"] = our_tokens == their_tokens
+    payload["generation"] = generation
+    progress.done("benchmark done")
+    return payload
+
+
+_METHOD = (
+    "decode: one runner per configuration over identical weights, the same requests prefilled "
+    "in each, single decode steps timed interleaved (rotating order), medians; generation: "
+    "greedy, graphs captured beforehand, alternating rounds, medians; one thread unless stated"
+)
+
+
+def render(payload: dict[str, Any]) -> str:
+    lines = ["decode-step latency, median us (ratios from the same run):"]
+    lines.append(
+        f"  {'threads':>7} {'batch':>5} {'eager':>9} {'full':>9} {'narrow':>9} {'wide':>9}"
+        f"  {'full/eager':>10} {'narrow/wide':>11}"
+    )
+    for row in payload["decode"]:
+        m, r = row["median_us"], row["ratios"]
+        lines.append(
+            f"  {row['threads']:>7} {row['batch_size']:>5} {m['eager']:>9.0f} {m['full']:>9.0f}"
+            f" {m['narrow']:>9.0f} {m['wide']:>9.0f}  {r['full/eager']:>10.3f}"
+            f" {r['narrow/wide']:>11.3f}"
+        )
+    cap = payload["capture"]
+    held = cap["held_bytes"]
+    lines.append(
+        f"capture: {len(cap['seconds_per_graph'])} graphs in {cap['total_s']:.2f}s"
+        + (f", {held / 2**20:.1f} MiB held by captures" if held is not None else "")
+    )
+    gen = payload["generation"]
+    tps = ", ".join(f"{k} {v:.1f}" for k, v in gen["tokens_per_s"].items())
+    lines.append(f"generation tokens/s: {tps}")
+    if "ratio_engine/transformers" in gen:
+        lines.append(
+            f"  engine/transformers = {gen['ratio_engine/transformers']:.2f}x "
+            f"(same tokens: {gen['same_tokens']})"
+        )
+    lines.append(f"method: {payload['method']}")
+    return "\n".join(lines)

@@ -1,0 +1,43 @@
+"""Turning failures into the CLI's one-line errors.
+
+Exit codes: 2 for bad usage (unknown options or names, malformed values), 1 for everything else
+the user can act on (a missing or broken checkpoint, a request that cannot fit, a refused region),
+3 for an internal error (a bug: the message says how to get the traceback).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+__all__ = ["EXIT_INTERNAL", "EXIT_RUNTIME", "EXIT_USAGE", "UsageError", "report_failure"]
+
+EXIT_RUNTIME = 1
+EXIT_USAGE = 2
+EXIT_INTERNAL = 3
+
+
+class UsageError(ValueError):
+    """A malformed command line: the user must change what they typed."""
+
+
+def _one_line(message: str) -> str:
+    return " ".join(message.split())
+
+
+def report_failure(command: str, exc: BaseException) -> int:
+    """Print ``exc`` as one line on stderr and return the exit code for it."""
+    if isinstance(exc, UsageError):
+        code = EXIT_USAGE
+    elif isinstance(exc, (ValueError, LookupError, RuntimeError, OSError)):
+        code = EXIT_RUNTIME
+    else:
+        code = EXIT_INTERNAL
+    message = _one_line(str(exc)) or type(exc).__name__
+    if code == EXIT_INTERNAL:
+        message = f"internal error ({type(exc).__name__}): {message} (set DSV4_DEBUG=1 for details)"
+    if os.environ.get("DSV4_DEBUG"):
+        traceback.print_exception(exc, file=sys.stderr)
+    print(f"dsv4 {command}: error: {message}", file=sys.stderr)
+    return code

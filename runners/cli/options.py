@@ -1,0 +1,102 @@
+"""Option groups shared by several commands, and parsing of their values."""
+
+from __future__ import annotations
+
+import argparse
+
+from runners.cli.errors import UsageError
+
+__all__ = [
+    "EAGER_REGION_CHOICES",
+    "MODE_CHOICES",
+    "RUNNER_CHOICES",
+    "add_model_options",
+    "add_policy_options",
+    "parse_int_list",
+    "parse_prompts",
+]
+
+RUNNER_CHOICES = ("auto", "v1", "v2")
+MODE_CHOICES = ("auto", "NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+EAGER_REGION_CHOICES = ("auto", "full-graph", "narrow", "wide", "no-graph")
+
+
+def add_policy_options(parser: argparse.ArgumentParser, *, platform_required: bool) -> None:
+    """Options that steer the resolution of runner, graph mode and eager region."""
+    group = parser.add_argument_group("resolution")
+    group.add_argument(
+        "--platform",
+        required=platform_required,
+        help="platform name (cuda, rocm, cpu or a plugin's); default: the current platform",
+    )
+    group.add_argument(
+        "--runner", default="auto", choices=RUNNER_CHOICES, help="model runner (default: auto)"
+    )
+    group.add_argument(
+        "--cudagraph-mode",
+        default="auto",
+        choices=MODE_CHOICES,
+        help="graph mode (default: auto = FULL_AND_PIECEWISE, downgraded where unsafe)",
+    )
+    group.add_argument(
+        "--eager-region",
+        default="auto",
+        choices=EAGER_REGION_CHOICES,
+        help="eager region of each attention layer (default: auto = the narrowest safe one)",
+    )
+    group.add_argument(
+        "--unsafe-region",
+        action="store_true",
+        help="allow a region narrower than the runner requires (experiments; the capture "
+        "audit then reports the unstable reads)",
+    )
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """Where the model comes from and how it is run."""
+    group = parser.add_argument_group("model")
+    group.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="Hugging Face-layout checkpoint (config.json + *.safetensors); "
+        "default: the built-in tiny model with fixed-seed weights",
+    )
+    group.add_argument(
+        "--simulate",
+        action="store_true",
+        help="run the platform's policy on the CPU with the tape backend",
+    )
+    group.add_argument(
+        "--capture-sizes",
+        type=parse_int_list,
+        default=None,
+        metavar="N,N,...",
+        help="token counts to capture graphs for (default: 1,2,4,8,16,32)",
+    )
+    group.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def parse_int_list(text: str) -> list[int]:
+    """``"1,2,3"`` -> ``[1, 2, 3]``; anything else is a usage error naming the bad item."""
+    items = [item.strip() for item in text.split(",")]
+    if not text.strip() or any(not item for item in items):
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    try:
+        return [int(item) for item in items]
+    except ValueError:
+        bad = next(item for item in items if not item.lstrip("-").isdigit())
+        raise argparse.ArgumentTypeError(f"{bad!r} is not an integer (in {text!r})") from None
+
+
+def parse_prompts(
+    prompt_ids: list[list[int]] | None, prompts: list[str] | None
+) -> tuple[list[list[int]], bool]:
+    """Prompts as token ids, and whether any came from text (byte-level tokenisation)."""
+    result: list[list[int]] = [list(ids) for ids in prompt_ids or []]
+    for text in prompts or []:
+        if not text:
+            raise UsageError("--prompt is empty: give at least one character")
+        result.append(list(text.encode("utf-8")))
+    if not result:
+        raise UsageError("no prompt given: use --prompt TEXT or --prompt-ids 1,2,3")
+    return result, bool(prompts)

@@ -1,0 +1,23 @@
+"""Named model-size presets for the built-in model and ``init-checkpoint``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from runners.cli.errors import UsageError
+
+if TYPE_CHECKING:
+    from dsv4 import DeepseekV4Config
+
+__all__ = ["PRESETS", "preset_config"]
+
+PRESETS = ("tiny",)
+
+
+def preset_config(name: str) -> DeepseekV4Config:
+    """The configuration of preset ``name``; unknown names are a usage error."""
+    from dsv4 import DeepseekV4Config
+
+    if name == "tiny":
+        return DeepseekV4Config.tiny()
+    raise UsageError(f"unknown preset {name!r}; expected one of: {', '.join(PRESETS)}")

@@ -1,0 +1,76 @@
+"""The peer we measure generation against: Hugging Face ``transformers``' ``generate``.
+
+``transformers`` is a test dependency, never a runtime one: it is imported only when this
+baseline is asked for, and its absence is a one-line error saying how to install it.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from dsv4 import DeepseekV4Config, save_random_checkpoint
+from runners.benchmark import GenerationThroughput
+
+__all__ = ["BaselineUnavailableError", "transformers_throughput"]
+
+
+class BaselineUnavailableError(RuntimeError):
+    """``transformers`` is not installed, so the peer comparison cannot run."""
+
+
+def _load(checkpoint: Path | None, builtin_seed: int) -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise BaselineUnavailableError(
+            "the transformers comparison needs transformers==5.23.0: pip install '.[test]'"
+        ) from None
+    if checkpoint is not None:
+        return transformers.DeepseekV4ForCausalLM.from_pretrained(checkpoint).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        save_random_checkpoint(tmp, DeepseekV4Config.tiny(), seed=builtin_seed)
+        return transformers.DeepseekV4ForCausalLM.from_pretrained(tmp).eval()
+
+
+def transformers_throughput(
+    checkpoint: Path | None,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    builtin_seed: int = 0,
+) -> tuple[Callable[[], GenerationThroughput], list[list[int]]]:
+    """A timed greedy ``generate`` round over ``prompts`` (one call each), and its tokens."""
+    import torch
+
+    model = _load(checkpoint, builtin_seed)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+
+    def generate_all() -> list[list[int]]:
+        outputs = []
+        with torch.inference_mode():
+            for prompt in prompts:
+                ids = torch.tensor([list(prompt)], dtype=torch.int64)
+                out = model.generate(
+                    ids,
+                    max_new_tokens=max_new_tokens,
+                    min_new_tokens=max_new_tokens,
+                    do_sample=False,
+                )
+                outputs.append(out[0, len(prompt) :].tolist())
+        return outputs
+
+    tokens = generate_all()
+
+    def round_() -> GenerationThroughput:
+        start = time.perf_counter()
+        result = generate_all()
+        return GenerationThroughput(
+            tokens=sum(len(t) for t in result), seconds=time.perf_counter() - start
+        )
+
+    return round_, tokens

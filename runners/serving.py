@@ -1,0 +1,130 @@
+"""From a description of a run to a working engine: model, resolution, runner and ``LLM``.
+
+``EngineSpec`` is what a user chooses (checkpoint, platform, runner, mode, region, sizes);
+``build_engine`` turns it into an ``Engine`` — the resolved policy, the runner executing it and
+the ``LLM`` driving the runner. The CLI, the cross-strategy property suite and the platform
+conformance kit all build engines this way, so they exercise exactly what users run.
+
+Invariants:
+- The resolution is computed before anything is allocated: a refused region or an unknown name
+  fails fast, with nothing half-built.
+- A model may be shared by several engines built one after another (``build_engine(spec,
+  model=...)``): each runner rebinds its own caches and recomposes the eager region, so the engine
+  built last is the one that may run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import attrs
+
+from dsv4 import DeepseekV4Config, DeepseekV4ForCausalLM, load_checkpoint
+from dsv4.weights import randomize_
+from graphs.audit import AuditMode
+from platforms import Platform, current_platform, get_platform, simulate
+from runners.base import ModelRunner
+from runners.batch import DEFAULT_CAPTURE_SIZES
+from runners.engine import LLM
+from runners.layout import CacheLayout
+from runners.resolution import Resolution, resolve
+
+__all__ = [
+    "BUILTIN_ARCHITECTURE",
+    "DEFAULT_LAYOUT",
+    "Engine",
+    "EngineSpec",
+    "architecture_of",
+    "build_engine",
+    "build_model",
+    "resolve_platform",
+]
+
+BUILTIN_ARCHITECTURE = "DeepseekV4ForCausalLM"
+DEFAULT_LAYOUT = CacheLayout(num_blocks=256, block_size=16, max_rows=16, max_blocks_per_row=32)
+
+
+@attrs.frozen(kw_only=True)
+class EngineSpec:
+    """Everything a user chooses about a run; ``"auto"`` leaves the choice to the resolution."""
+
+    checkpoint: Path | None = None
+    """Hugging Face-layout checkpoint; ``None`` for the built-in tiny model."""
+    builtin_seed: int = 0
+    """Weight seed of the built-in tiny model."""
+    platform: str | None = None
+    """Platform name; ``None`` for the current platform."""
+    simulate: bool = False
+    """Run the platform's policy on the CPU with the tape backend."""
+    runner: str = "auto"
+    cudagraph_mode: str = "auto"
+    eager_region: str = "auto"
+    unsafe_region: bool = False
+    capture_sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES
+    max_num_tokens: int = 64
+    """Tokens one step may carry (the persistent buffers' size and the engine's token budget)."""
+    layout: CacheLayout = DEFAULT_LAYOUT
+    audit: AuditMode = "raise"
+
+
+@attrs.frozen(kw_only=True)
+class Engine:
+    """A built engine: what was resolved, the runner executing it and the ``LLM`` over it."""
+
+    resolution: Resolution
+    runner: ModelRunner
+    llm: LLM
+
+
+def resolve_platform(name: str | None, *, simulated: bool) -> Platform:
+    """The platform called ``name`` (the current one for ``None``), simulated if asked."""
+    platform = current_platform() if name is None else get_platform(name)
+    return simulate(platform) if simulated else platform
+
+
+def build_model(spec: EngineSpec) -> DeepseekV4ForCausalLM:
+    """Load ``spec.checkpoint``, or build the built-in tiny model with fixed-seed weights."""
+    if spec.checkpoint is not None:
+        return load_checkpoint(spec.checkpoint)
+    config = DeepseekV4Config.tiny()
+    model = DeepseekV4ForCausalLM(config)
+    randomize_(model, spec.builtin_seed, num_experts=config.n_routed_experts)
+    return model
+
+
+def architecture_of(spec: EngineSpec) -> str:
+    """The first ``architectures`` entry of the checkpoint's config.json (the built-in model's
+    otherwise); an unreadable config is left for ``load_checkpoint`` to report."""
+    if spec.checkpoint is None:
+        return BUILTIN_ARCHITECTURE
+    try:
+        raw = json.loads((Path(spec.checkpoint) / "config.json").read_text())
+        return str(raw["architectures"][0])
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return BUILTIN_ARCHITECTURE
+
+
+def build_engine(spec: EngineSpec, *, model: DeepseekV4ForCausalLM | None = None) -> Engine:
+    """Resolve ``spec``, then build the runner and the engine (loading the model if not given)."""
+    platform = resolve_platform(spec.platform, simulated=spec.simulate)
+    resolution = resolve(
+        architecture_of(spec),
+        platform,
+        runner=spec.runner,
+        cudagraph_mode=spec.cudagraph_mode,
+        eager_region=spec.eager_region,
+        unsafe_region=spec.unsafe_region,
+    )
+    platform.require_available()
+    if model is None:
+        model = build_model(spec)
+    runner = ModelRunner.from_resolution(
+        resolution,
+        model.to(platform.device),
+        layout=spec.layout,
+        capture_sizes=spec.capture_sizes,
+        max_num_tokens=spec.max_num_tokens,
+        audit=spec.audit,
+    )
+    return Engine(resolution=resolution, runner=runner, llm=LLM(runner))
