@@ -146,11 +146,11 @@ def test_audit_off_and_its_default() -> None:
 
 def test_bad_input_is_one_clear_error_each() -> None:
     static = StaticMemory()
-    with pytest.raises(TypeError, match="static memory must be a torch.Tensor, got list"):
+    with pytest.raises(TypeError, match=r"static memory must be a torch\.Tensor, got list"):
         static.register([1, 2], "numbers")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="use register_module for a module"):
         static.register(torch.nn.Linear(2, 2))  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="needs a torch.nn.Module, got Tensor"):
+    with pytest.raises(TypeError, match=r"needs a torch\.nn\.Module, got Tensor"):
         static.register_module(torch.zeros(2))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown audit mode 'loud'"):
         BreakableCapture(TapeBackend(), audit="loud")  # type: ignore[arg-type]
