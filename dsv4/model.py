@@ -11,9 +11,9 @@ of every attention layer changes only through ``set_eager_region``. Padded token
 give finite garbage and write nothing.
 
 Inference only: parameters do not require gradients (so cache writes never record autograd
-history). Dtypes: parameters take the requested dtype except those the reference keeps in fp32 (norm
-weights, hyper-connection parameters, sinks, position biases, router bias); RoPE frequencies
-stay fp32 too.
+history). Dtypes: parameters take the requested dtype except those the reference keeps in fp32
+(norm weights, hyper-connection parameters, sinks, position biases); the router bias, RoPE
+frequencies and the compressor gate state stay fp32 too.
 """
 
 from __future__ import annotations
