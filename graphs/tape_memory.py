@@ -51,7 +51,7 @@ class SegmentMemory:
     segments); ``internal_bytes``: what those intermediates would take without sharing;
     ``retained_bytes``: storages allocated in the segment that the program still holds
     (outputs, values for later segments) — the tape keeps these alive; ``constant_bytes``:
-    copies of literals and factory values restored on replay.
+    factory outputs and literals kept as constants, and copies of literals restored on replay.
     """
 
     arena_bytes: int

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from graphs import BreakableCapture, CaptureError, TapeBackend
+from graphs import BreakableCapture, CaptureError, TapeBackend, eager_break_during_capture
 from graphs.tape import TapeSegment
 
 Program = Callable[[torch.Tensor], torch.Tensor]
@@ -88,6 +88,31 @@ def test_in_place_view_ops_keep_the_metadata_each_use_saw() -> None:
 
     replays_like_eager(program)
     assert held[0].shape == (1, 6, 4)
+
+
+def test_a_factory_output_an_eager_break_mutates_is_refilled_every_replay() -> None:
+    @eager_break_during_capture
+    def accumulate(buffer: torch.Tensor, y: torch.Tensor) -> None:
+        buffer.add_(y)
+
+    def program(x: torch.Tensor) -> torch.Tensor:
+        buffer = torch.zeros(4, 6)
+        accumulate(buffer, x)
+        return buffer * 2.0
+
+    replays_like_eager(program)
+
+
+def test_constant_factories_and_literals_are_kept_not_replayed() -> None:
+    x = torch.randn(4)
+    with torch.inference_mode(), BreakableCapture(TapeBackend()) as capture:
+        out = x * torch.arange(4.0) + torch.tensor([1.0, 2.0, 3.0, 4.0])
+    (segment,) = capture.segments
+    assert isinstance(segment, TapeSegment)
+    assert segment.num_steps == 2 and segment.memory.constant_bytes == 32
+    x.fill_(2.0)
+    capture.replay()
+    assert torch.equal(out, torch.tensor([1.0, 4.0, 7.0, 10.0]))
 
 
 def test_user_out_arguments_are_rewritten_on_replay() -> None:

@@ -1,0 +1,240 @@
+"""Choosing how the tape replays one op: the fastest plan that is bitwise-equal to the op.
+
+While recording, each op gets a plan (``graphs.tape_ops``). The candidates, fastest first:
+
+- ``CopyFrom``: copy-like ops (``clone``, ``_to_copy``, a copying ``reshape``, ...) become one
+  ``Tensor.copy_`` into the captured output.
+- ``Fill`` / ``Const``: factories (outputs independent of any tensor's data) are re-filled in
+  place with their captured value, so a factory output mutated later starts fresh every replay.
+- ``CallOut``: a public ``torch.*(…, out=)`` function of the same name, else the overload
+  ``torch._library._out_variant.to_out_variant`` finds (a naive ``.out`` lookup is wrong for
+  ``pow``, ``le``, ``where``, ``softmax.int``, ``index``).
+- ``Call``: in-place and user ``out=`` ops re-run as recorded (the public ``Tensor`` method when
+  it was checked to match, the operator otherwise).
+- ``CallCopy``: the fallback for everything else: run the op, copy its fresh outputs into place.
+
+Invariant: a candidate is used only if it computes the same function as the op by construction
+(same operator name, or a copy for a copy-like op, or a fill for a data-independent factory)
+*and* reproduced the op's capture-time result bit for bit; otherwise the next one is tried. One
+sample cannot prove two different functions equal, which is why candidates are never arbitrary.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch._library._out_variant import get_out_arg_names, to_out_variant
+
+from graphs.tape_ops import Call, CallCopy, CallOut, Const, CopyFrom, Fill, Plan, flat_tensors
+
+__all__ = [
+    "bitwise_equal",
+    "inplace_copies",
+    "mutated_arguments",
+    "plan_factory",
+    "plan_functional",
+    "plan_mutating",
+]
+
+_COPY_LIKE = frozenset(
+    {"clone", "_to_copy", "to", "contiguous", "reshape", "flatten", "_reshape_copy", "view_copy"}
+)
+_PUBLIC_NAMESPACES: tuple[Any, ...] = (
+    torch,
+    *(getattr(torch._C, name) for name in ("_nn", "_linalg", "_special", "_fft")),
+)
+_VALIDATE_INPLACE_MAX_BYTES = 16 << 20
+"""In-place ops mutating more than this are replayed through the operator without trying the
+faster ``Tensor`` method, because checking the method needs a copy of every mutated tensor."""
+
+
+def _op_callable(func: torch._ops.OpOverload) -> Callable[..., Any]:
+    """The operator's C++ entry point (skips the Python ``OpOverload.__call__`` frame)."""
+    return getattr(func, "_op", func)
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` and ``b`` have the same shape, dtype and bits (NaN payloads and ±0 too)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_complex():
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+    if a.is_floating_point():
+        as_int = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        a, b = a.view(as_int), b.view(as_int)
+    return bool(torch.equal(a, b))
+
+
+def _scratch_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """True when ``t``'s elements fill a block of memory exactly once (any dimension order)."""
+    expected = 1
+    for stride, size in sorted(
+        (st, sz) for st, sz in zip(t.stride(), t.size(), strict=True) if sz != 1
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+# -- choosing a plan ----------------------------------------------------------------------------
+
+
+def _reproduces(
+    plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], outs: Sequence[torch.Tensor]
+) -> bool:
+    """Run ``plan`` into scratch outputs; true when it reproduces ``outs`` bit for bit."""
+    scratch = [_scratch_like(o) for o in outs]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan.build(args, kwargs, scratch)()
+    except (RuntimeError, TypeError, ValueError, IndexError):
+        return False
+    return all(
+        s.stride() == o.stride() and bitwise_equal(s, o) for s, o in zip(scratch, outs, strict=True)
+    )
+
+
+def _public_function(name: str) -> Callable[..., Any] | None:
+    for namespace in _PUBLIC_NAMESPACES:
+        fn = getattr(namespace, name, None)
+        if isinstance(fn, types.BuiltinFunctionType):
+            return fn
+    return None
+
+
+def _out_candidates(func: torch._ops.OpOverload, name: str) -> list[Plan]:
+    candidates: list[Plan] = []
+    public = _public_function(name)
+    if public is not None:
+        candidates.append(CallOut(public, None))
+    try:
+        out_op = to_out_variant(func)
+    except RuntimeError:  # not a functional schema: no out= form to look for
+        out_op = None
+    if out_op is not None:
+        candidates.append(CallOut(_op_callable(out_op), tuple(get_out_arg_names(out_op))))
+    return candidates
+
+
+def plan_functional(
+    func: torch._ops.OpOverload,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    outs: Sequence[torch.Tensor],
+    fresh: tuple[int, ...],
+) -> Plan:
+    """Plan for an op that reads its inputs and writes fresh outputs (indices ``fresh``)."""
+    name = func._schema.name.split("::")[-1]
+    fallback = CallCopy(_op_callable(func), fresh)
+    if len(fresh) != len(outs) or not all(_dense(o) for o in outs):
+        return fallback
+    candidates: list[Plan] = []
+    sources = flat_tensors(args, kwargs)
+    copy_like = name in _COPY_LIKE and len(outs) == 1 and len(sources) == 1
+    if copy_like and sources[0].numel() == outs[0].numel():
+        candidates.append(CopyFrom(0))
+    candidates.extend(_out_candidates(func, name))
+    for candidate in candidates:
+        if _reproduces(candidate, args, kwargs, outs):
+            return candidate
+    return fallback
+
+
+def plan_factory(
+    func: torch._ops.OpOverload,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    out: torch.Tensor,
+) -> Plan | None:
+    """Plan for an op whose output does not depend on any tensor's data; ``None``: skip it.
+
+    ``empty``-like outputs hold undefined values and are not re-filled.
+    """
+    name = func._schema.name.split("::")[-1]
+    if "empty" in name or out.numel() == 0:
+        return None
+    first = out.reshape(-1)[0]
+    if bool((out == first).all()) and _reproduces(Fill(first.item()), args, kwargs, [out]):
+        return Fill(first.item())
+    if _dense(out):
+        for candidate in _out_candidates(func, name):
+            if _reproduces(candidate, args, kwargs, [out]):
+                return candidate
+    return Const(out.clone())
+
+
+def plan_mutating(
+    func: torch._ops.OpOverload,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    outs: Sequence[torch.Tensor],
+    fresh: tuple[int, ...],
+    before: dict[int, torch.Tensor],
+) -> Plan:
+    """Plan for an op that writes some of its arguments (in-place or user ``out=``).
+
+    ``before`` maps ``id`` of each mutated argument to a copy taken before the op ran (empty
+    when the mutated tensors were too large to copy); with it the public ``Tensor`` method is
+    checked against the op on the copies.
+    """
+    op = _op_callable(func)
+    if fresh:
+        return CallCopy(op, fresh)
+    name = func._schema.name.split("::")[-1]
+    method = getattr(torch.Tensor, name, None) if name.endswith("_") else None
+    if method is None or not before:
+        return Call(op)
+    swapped_args = [before.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in args]
+    swapped_kwargs = {
+        k: before.get(id(v), v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()
+    }
+    originals = {id(a): a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            method(*swapped_args, **swapped_kwargs)
+    except (RuntimeError, TypeError, ValueError, IndexError):
+        return Call(op)
+    if all(bitwise_equal(copy, originals[key]) for key, copy in before.items()):
+        return Call(method)
+    return Call(op)
+
+
+def inplace_copies(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[int, torch.Tensor]:
+    """Copies of the tensors ``func`` mutates, to check the ``Tensor`` method path against."""
+    name = func._schema.name.split("::")[-1]
+    if not name.endswith("_") or not hasattr(torch.Tensor, name):
+        return {}
+    mutated = [
+        value for value in mutated_arguments(func, args, kwargs) if isinstance(value, torch.Tensor)
+    ]
+    if sum(t.untyped_storage().nbytes() for t in mutated) > _VALIDATE_INPLACE_MAX_BYTES:
+        return {}
+    return {id(t): t.clone(memory_format=torch.preserve_format) for t in mutated}
+
+
+def mutated_arguments(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[Any]:
+    """The arguments ``func``'s schema marks as written (``Tensor(a!)``), as passed."""
+    found = []
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        if argument.name in kwargs:
+            found.append(kwargs[argument.name])
+        elif position < len(args) and not argument.kwarg_only:
+            found.append(args[position])
+    return found

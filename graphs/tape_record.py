@@ -1,0 +1,176 @@
+"""Recording a tape segment: a dispatch mode that runs each op and notes how to replay it.
+
+For every ATen op issued while a segment records: check it is capturable (``graphs.legality``),
+run it, classify it by what it did to memory (found by storage), choose its replay plan
+(``graphs.tape_plan``) and keep references to its tensors (``graphs._tensor_refs``): weak ones
+to tensors allocated in the segment, strong ones to tensors from outside it.
+
+Invariants:
+- Views (every output aliases an input's storage) and in-place view ops are not recorded: their
+  outputs already point at the right memory, and each later use snapshots the view metadata.
+- ``storages`` holds every storage allocated in the segment, with the first and last record
+  index touching it (its lifetime within the segment) and its largest size.
+- ``written`` holds every storage a recorded op wrote; ``factory_outputs`` holds factory and
+  literal outputs strongly until the segment ends, to decide which of them are constants.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten
+
+from graphs._tensor_refs import TensorRef, WeakStorage, storage_key
+from graphs.legality import check_capturable
+from graphs.tape_ops import Const, Plan
+from graphs.tape_plan import (
+    inplace_copies,
+    mutated_arguments,
+    plan_factory,
+    plan_functional,
+    plan_mutating,
+)
+
+__all__ = ["Record", "Recorder", "StorageInfo"]
+
+_LITERALS = frozenset({"lift_fresh", "lift", "lift_fresh_copy"})
+_FACTORY_PREFIXES = ("new_",)
+_FACTORY_SUFFIXES = ("_like",)
+
+
+def _is_factory(name: str, tensors: list[torch.Tensor]) -> bool:
+    """Outputs independent of any tensor's data: no tensor inputs, or ``*_like`` / ``new_*``."""
+    return not tensors or name.startswith(_FACTORY_PREFIXES) or name.endswith(_FACTORY_SUFFIXES)
+
+
+class StorageInfo:
+    """A storage allocated inside the recording segment."""
+
+    __slots__ = ("device", "first", "last", "nbytes", "weak")
+
+    def __init__(self, storage: torch.UntypedStorage, first: int) -> None:
+        self.weak = WeakStorage(storage)
+        self.nbytes = storage.nbytes()
+        self.device = storage.device
+        self.first = first
+        self.last = first
+
+
+class Record:
+    __slots__ = ("constant_key", "leaves", "outs", "plan", "spec")
+
+    def __init__(
+        self,
+        plan: Plan,
+        leaves: list[Any],
+        spec: Any,
+        outs: list[TensorRef],
+        constant_key: int | None,
+    ) -> None:
+        self.plan, self.leaves, self.spec, self.outs = plan, leaves, spec, outs
+        self.constant_key = constant_key
+        """Storage key of a factory or literal output (a candidate constant), else ``None``."""
+
+
+class Recorder(TorchDispatchMode):
+    """The dispatch mode active while a segment records; builds the tape op by op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[Record] = []
+        self.storages: dict[int, StorageInfo] = {}
+        self.num_ops = 0
+        self.written: set[int] = set()
+        self.factory_outputs: dict[int, torch.UntypedStorage] = {}
+        """Factory and literal outputs, held until the segment ends to see if they are
+        constants: never written after creation and referenced by nothing but the tape."""
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        check_capturable(func, args, kwargs)
+        name = func._schema.name.split("::")[-1]
+        leaves, spec = tree_flatten((args, kwargs))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        mutating = func._schema.is_mutable
+        inplace_view = torch.Tag.inplace_view in func.tags
+        with _disable_current_modes():
+            before = inplace_copies(func, args, kwargs) if mutating and not inplace_view else {}
+        result = func(*args, **kwargs)
+        self.num_ops += 1
+        outs = [o for o in tree_flatten(result)[0] if isinstance(o, torch.Tensor)]
+        index = len(self.records)
+        input_keys = {storage_key(t) for t in tensors}
+        if name in _LITERALS:
+            fresh: tuple[int, ...] = (0,)
+        else:
+            fresh = tuple(i for i, o in enumerate(outs) if storage_key(o) not in input_keys)
+        for i in fresh:
+            self._allocated(outs[i], index)
+        if inplace_view or (not mutating and len(fresh) == 0):
+            return result  # a view: nothing to replay, later uses snapshot its metadata
+        if mutating:
+            self.written.update(
+                storage_key(t)
+                for t in mutated_arguments(func, args, kwargs)
+                if isinstance(t, torch.Tensor)
+            )
+        with _disable_current_modes():
+            plan = self._plan(func, name, args, kwargs, tensors, outs, fresh, before, mutating)
+        if plan is not None:
+            constant_key = None
+            if name in _LITERALS or (not mutating and _is_factory(name, tensors)):
+                constant_key = storage_key(outs[0])
+                self.factory_outputs[constant_key] = outs[0].untyped_storage()
+            self.records.append(
+                Record(
+                    plan,
+                    [self._ref(x, index) for x in leaves],
+                    spec,
+                    [self._ref(o, index) for o in outs],
+                    constant_key,
+                )
+            )
+        return result
+
+    def _plan(
+        self,
+        func: torch._ops.OpOverload,
+        name: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        tensors: list[torch.Tensor],
+        outs: list[torch.Tensor],
+        fresh: tuple[int, ...],
+        before: dict[int, torch.Tensor],
+        mutating: bool,
+    ) -> Plan | None:
+        if name in _LITERALS:
+            return Const(outs[0].clone())
+        if mutating:
+            return plan_mutating(func, args, kwargs, outs, fresh, before)
+        if _is_factory(name, tensors) and len(outs) == 1:
+            return plan_factory(func, args, kwargs, outs[0])
+        return plan_functional(func, args, kwargs, outs, fresh)
+
+    def _allocated(self, t: torch.Tensor, index: int) -> None:
+        key = storage_key(t)
+        if key not in self.storages:
+            self.storages[key] = StorageInfo(t.untyped_storage(), index)
+
+    def _ref(self, x: Any, index: int) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        info = self.storages.get(storage_key(x))
+        if info is None:
+            return TensorRef(x, weak=False)
+        info.last = index
+        info.nbytes = max(info.nbytes, x.untyped_storage().nbytes())
+        return TensorRef(x, weak=True)
