@@ -12,6 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -85,6 +86,22 @@ class _WeakTensor:
         return alias
 
 
+def _map_members(value: Any, fn: Callable[[Any], Any]) -> Any:
+    """``value`` with ``fn`` applied to each member of a tuple, list, dict or attrs instance."""
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(fn(v) for v in value))
+    if isinstance(value, tuple | list):
+        return type(value)(fn(v) for v in value)
+    if isinstance(value, dict):
+        return {k: fn(v) for k, v in value.items()}
+    if attrs.has(type(value)):
+        fields = attrs.fields(type(value))
+        return attrs.evolve(
+            value, **{f.alias: fn(getattr(value, f.name)) for f in fields if f.init}
+        )
+    return value
+
+
 class CudaGraphBackend:
     """Records segments with ``torch.cuda.CUDAGraph`` into one shared memory pool."""
 
@@ -126,12 +143,15 @@ class CudaGraphBackend:
             self._stop(CaptureError("capture aborted"))
 
     def hold(self, value: Any) -> Any:
+        """GPU tensors become non-owning aliases, also inside containers and attrs values."""
         if isinstance(value, torch.Tensor) and value.is_cuda:
             return _WeakTensor.of(value)
-        return value
+        return _map_members(value, self.hold)
 
     def release(self, held: Any) -> Any:
-        return held.tensor() if isinstance(held, _WeakTensor) else held
+        if isinstance(held, _WeakTensor):
+            return held.tensor()
+        return _map_members(held, self.release)
 
     def _stop(self, exc: BaseException | None) -> tuple[torch.cuda.CUDAGraph, bool]:
         graph, ctx, counter = self._graph, self._graph_ctx, self._counter

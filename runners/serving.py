@@ -53,8 +53,8 @@ class EngineSpec:
     """Hugging Face-layout checkpoint; ``None`` for the built-in tiny model."""
     builtin_seed: int = 0
     """Weight seed of the built-in tiny model."""
-    platform: str | None = None
-    """Platform name; ``None`` for the current platform."""
+    platform: str | Platform | None = None
+    """A platform object or registered name; ``None`` for the current platform."""
     simulate: bool = False
     """Run the platform's policy on the CPU with the tape backend."""
     runner: str = "auto"
@@ -77,9 +77,12 @@ class Engine:
     llm: LLM
 
 
-def resolve_platform(name: str | None, *, simulated: bool) -> Platform:
-    """The platform called ``name`` (the current one for ``None``), simulated if asked."""
-    platform = current_platform() if name is None else get_platform(name)
+def resolve_platform(name: str | Platform | None, *, simulated: bool) -> Platform:
+    """The platform ``name`` names or is (the current one for ``None``), simulated if asked."""
+    if isinstance(name, Platform):
+        platform = name
+    else:
+        platform = current_platform() if name is None else get_platform(name)
     return simulate(platform) if simulated else platform
 
 

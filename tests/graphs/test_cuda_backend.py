@@ -85,3 +85,25 @@ def test_segments_of_one_backend_share_one_pool() -> None:
         _ = x * 2
     assert backend.pool is pool
     assert capture.num_graphs == 1
+
+
+def test_eager_arguments_are_held_member_by_member() -> None:
+    """hold/release reach tensors inside tuples, named tuples, lists, dicts and attrs values."""
+    import collections
+
+    import attrs
+
+    from graphs.cuda_backend import _map_members
+
+    @attrs.frozen(kw_only=True)
+    class Prepared:
+        q: int
+        scale: float = attrs.field(default=1.0)
+
+    Pair = collections.namedtuple("Pair", "a b")
+    value = (1, [2, {"k": 3}], Pair(4, 5), Prepared(q=6))
+
+    def double(v: object) -> object:
+        return v * 2 if isinstance(v, int) else _map_members(v, double)
+
+    assert _map_members(value, double) == (2, [4, {"k": 6}], Pair(8, 10), Prepared(q=12))
