@@ -17,11 +17,20 @@ Invariants:
 from __future__ import annotations
 
 import weakref
-from typing import ClassVar, cast
+from collections.abc import Callable
+from typing import Any, ClassVar, cast
 
 import torch
 
-__all__ = ["TensorRef", "WeakStorage", "alias", "same_view", "storage_key"]
+__all__ = [
+    "TensorRef",
+    "WeakStorage",
+    "alias",
+    "map_leaves",
+    "same_view",
+    "storage_key",
+    "tensors_of",
+]
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -92,3 +101,26 @@ def alias(
     t = torch.empty(0, dtype=dtype, device=storage.device)
     t.set_(storage, offset, size, stride)
     return t
+
+
+def map_leaves(fn: Callable[[Any], Any], value: Any, kind: type) -> Any:
+    """``value`` with every ``kind`` instance ``x`` replaced by ``fn(x)``, through lists,
+    tuples and dict values (an op's arguments nest no deeper than a list of tensors)."""
+    if isinstance(value, kind):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(map_leaves(fn, v, kind) for v in value)
+    if isinstance(value, dict):
+        return {k: map_leaves(fn, v, kind) for k, v in value.items()}
+    return value
+
+
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    """Every tensor in ``value`` (a tensor, or lists, tuples and dict values of them), in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors_of(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in tensors_of(v)]
+    return []

@@ -18,10 +18,9 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from graphs._source import user_location
-from graphs._tensor_refs import WeakStorage, storage_key
+from graphs._tensor_refs import WeakStorage, storage_key, tensors_of
 
 __all__ = ["AllocationSites", "AllocationTracker", "new_allocations"]
 
@@ -32,12 +31,10 @@ def new_allocations(
     func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any
 ) -> list[torch.Tensor]:
     """The outputs of ``func`` whose storage no input shares (literals count as new)."""
-    outs = [o for o in tree_flatten(result)[0] if isinstance(o, torch.Tensor)]
+    outs = tensors_of(result)
     if func._schema.name.split("::")[-1] in _LITERALS:
         return outs
-    inputs = {
-        storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
-    }
+    inputs = {storage_key(t) for t in tensors_of((args, kwargs))}
     return [o for o in outs if storage_key(o) not in inputs]
 
 
@@ -76,6 +73,10 @@ class AllocationTracker(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.sites = AllocationSites()
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # never under torch.compile; skipping would import dynamo (seconds)
 
     def __torch_dispatch__(
         self,

@@ -144,6 +144,10 @@ class CaptureAudit(TorchDispatchMode):
         self._findings: list[AuditFinding] = []
         self._seen: set[tuple[int, str, str]] = set()
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # never under torch.compile; skipping would import dynamo (seconds)
+
     def report(self) -> AuditReport:
         return AuditReport(mode=self.mode, findings=tuple(self._findings))
 

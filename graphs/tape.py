@@ -40,6 +40,7 @@ from graphs.errors import CaptureError
 from graphs.tape_compile import Compiler
 from graphs.tape_memory import SegmentMemory, TapePool
 from graphs.tape_ops import Step
+from graphs.tape_plan import PlanCache
 from graphs.tape_record import Recorder
 
 __all__ = ["TapeBackend", "TapeSegment"]
@@ -79,6 +80,7 @@ class TapeBackend:
     def __init__(self, *, pool: TapePool | None = None) -> None:
         self._pool = pool if pool is not None else TapePool()
         self._recorder: Recorder | None = None
+        self._plan_cache: PlanCache = {}
 
     @property
     def pool(self) -> TapePool:
@@ -87,7 +89,7 @@ class TapeBackend:
     def begin_segment(self) -> None:
         if self._recorder is not None:
             raise CaptureError("the tape is already recording a segment; end it first")
-        recorder = Recorder()
+        recorder = Recorder(self._plan_cache)
         recorder.__enter__()
         self._recorder = recorder
 

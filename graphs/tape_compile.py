@@ -14,9 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_unflatten
 
-from graphs._tensor_refs import TensorRef, alias, same_view, storage_key
+from graphs._tensor_refs import TensorRef, alias, map_leaves, same_view, storage_key
 from graphs.errors import CaptureError
 from graphs.tape_memory import Lifetime, SegmentMemory, TapePool, plan_offsets
 from graphs.tape_ops import Const, Step
@@ -74,10 +73,8 @@ class Compiler:
         )
         self._aliases: dict[tuple[Any, ...], torch.Tensor] = {}
 
-    def resolve(self, ref: Any) -> Any:
-        """The tensor replay must use for a recorded reference (other leaves pass through)."""
-        if not isinstance(ref, TensorRef):
-            return ref
+    def resolve(self, ref: TensorRef) -> torch.Tensor:
+        """The tensor replay must use for a recorded reference."""
         home = self.homes.get(ref.key)
         if home is None:
             t = ref.tensor()
@@ -112,7 +109,8 @@ class Compiler:
         for record in self.recorder.records:
             if record.constant_key in self.constants:
                 continue
-            args, kwargs = tree_unflatten([self.resolve(x) for x in record.leaves], record.spec)
+            args = map_leaves(self.resolve, record.args, TensorRef)
+            kwargs = map_leaves(self.resolve, record.kwargs, TensorRef)
             outs = [self.resolve(o) for o in record.outs]
             steps.append(record.plan.build(args, kwargs, outs))
         return steps

@@ -32,13 +32,23 @@ from torch._library._out_variant import get_out_arg_names, to_out_variant
 from graphs.tape_ops import Call, CallCopy, CallOut, Const, CopyFrom, Fill, Plan, flat_tensors
 
 __all__ = [
+    "PlanCache",
     "bitwise_equal",
     "inplace_copies",
     "mutated_arguments",
     "plan_factory",
     "plan_functional",
     "plan_mutating",
+    "signature",
 ]
+
+PlanCache = dict[tuple[Any, ...], int]
+"""Which candidate won, by op signature; kept by a backend across its segments.
+
+Whether a candidate reproduces an op bit for bit depends on the kernels it reaches, which
+depend on the op, the scalar arguments and the tensors' dtypes, devices, shapes and strides —
+not on the values. So an op seen again with the same signature (the next layer, the next
+capture) takes the same plan without being run twice."""
 
 _COPY_LIKE = frozenset(
     {"clone", "_to_copy", "to", "contiguous", "reshape", "flatten", "_reshape_copy", "view_copy"}
@@ -88,6 +98,57 @@ def _dense(t: torch.Tensor) -> bool:
 # -- choosing a plan ----------------------------------------------------------------------------
 
 
+def _meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return (
+            value.dtype,
+            value.device,
+            tuple(value.size()),
+            tuple(value.stride()),
+            value.storage_offset(),
+        )
+    if isinstance(value, (list, tuple)):
+        return tuple(_meta(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _meta(v)) for k, v in sorted(value.items()))
+    return (type(value), value)
+
+
+def signature(
+    func: torch._ops.OpOverload,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    outs: Sequence[torch.Tensor] = (),
+) -> tuple[Any, ...] | None:
+    """The key of ``PlanCache`` for this call, or ``None`` if an argument is unhashable."""
+    key = (func, _meta(args), _meta(kwargs), _meta(tuple(outs)))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _first_reproducing(
+    candidates: Sequence[Plan],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    outs: Sequence[torch.Tensor],
+    key: tuple[Any, ...] | None,
+    cache: PlanCache,
+) -> int:
+    """Index of the first candidate reproducing ``outs`` (``len(candidates)``: none does)."""
+    if key is not None and key in cache:
+        return cache[key]
+    winner = next(
+        (i for i, c in enumerate(candidates) if _reproduces(c, args, kwargs, outs)),
+        len(candidates),
+    )
+    if key is not None:
+        cache[key] = winner
+    return winner
+
+
 def _reproduces(
     plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], outs: Sequence[torch.Tensor]
 ) -> bool:
@@ -132,6 +193,7 @@ def plan_functional(
     kwargs: dict[str, Any],
     outs: Sequence[torch.Tensor],
     fresh: tuple[int, ...],
+    cache: PlanCache,
 ) -> Plan:
     """Plan for an op that reads its inputs and writes fresh outputs (indices ``fresh``)."""
     name = func._schema.name.split("::")[-1]
@@ -144,10 +206,9 @@ def plan_functional(
     if copy_like and sources[0].numel() == outs[0].numel():
         candidates.append(CopyFrom(0))
     candidates.extend(_out_candidates(func, name))
-    for candidate in candidates:
-        if _reproduces(candidate, args, kwargs, outs):
-            return candidate
-    return fallback
+    key = signature(func, args, kwargs, outs)
+    winner = _first_reproducing(candidates, args, kwargs, outs, key, cache)
+    return candidates[winner] if winner < len(candidates) else fallback
 
 
 def plan_factory(
@@ -180,20 +241,38 @@ def plan_mutating(
     outs: Sequence[torch.Tensor],
     fresh: tuple[int, ...],
     before: dict[int, torch.Tensor],
+    cache: PlanCache,
 ) -> Plan:
     """Plan for an op that writes some of its arguments (in-place or user ``out=``).
 
     ``before`` maps ``id`` of each mutated argument to a copy taken before the op ran (empty
-    when the mutated tensors were too large to copy); with it the public ``Tensor`` method is
-    checked against the op on the copies.
+    when the mutated tensors were too large to copy, or when ``cache`` already knows the op's
+    signature — see ``inplace_copies``); with it the public ``Tensor`` method is checked
+    against the op on the copies.
     """
     op = _op_callable(func)
     if fresh:
         return CallCopy(op, fresh)
     name = func._schema.name.split("::")[-1]
     method = getattr(torch.Tensor, name, None) if name.endswith("_") else None
+    key = signature(func, args, kwargs)
+    if method is not None and key is not None and key in cache:
+        return Call(method) if cache[key] == 0 else Call(op)
     if method is None or not before:
         return Call(op)
+    matches = _method_matches(method, args, kwargs, before)
+    if key is not None:
+        cache[key] = 0 if matches else 1
+    return Call(method) if matches else Call(op)
+
+
+def _method_matches(
+    method: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    before: dict[int, torch.Tensor],
+) -> bool:
+    """True when ``method`` on the pre-op copies ends with the same bits as the op did."""
     swapped_args = [before.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in args]
     swapped_kwargs = {
         k: before.get(id(v), v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()
@@ -204,18 +283,20 @@ def plan_mutating(
             warnings.simplefilter("ignore")
             method(*swapped_args, **swapped_kwargs)
     except (RuntimeError, TypeError, ValueError, IndexError):
-        return Call(op)
-    if all(bitwise_equal(copy, originals[key]) for key, copy in before.items()):
-        return Call(method)
-    return Call(op)
+        return False
+    return all(bitwise_equal(copy, originals[key]) for key, copy in before.items())
 
 
 def inplace_copies(
-    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], cache: PlanCache
 ) -> dict[int, torch.Tensor]:
-    """Copies of the tensors ``func`` mutates, to check the ``Tensor`` method path against."""
+    """Copies of the tensors ``func`` mutates, to check the ``Tensor`` method path against
+    (none if ``cache`` already knows the call's signature)."""
     name = func._schema.name.split("::")[-1]
     if not name.endswith("_") or not hasattr(torch.Tensor, name):
+        return {}
+    key = signature(func, args, kwargs)
+    if key is not None and key in cache:
         return {}
     mutated = [
         value for value in mutated_arguments(func, args, kwargs) if isinstance(value, torch.Tensor)

@@ -16,16 +16,17 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten
 
-from graphs._tensor_refs import TensorRef, WeakStorage, storage_key
+from graphs._tensor_refs import TensorRef, WeakStorage, map_leaves, storage_key, tensors_of
 from graphs.legality import check_capturable
 from graphs.tape_ops import Const, Plan
 from graphs.tape_plan import (
+    PlanCache,
     inplace_copies,
     mutated_arguments,
     plan_factory,
@@ -59,17 +60,19 @@ class StorageInfo:
 
 
 class Record:
-    __slots__ = ("constant_key", "leaves", "outs", "plan", "spec")
+    """One recorded op: its plan, and its arguments and outputs with tensors as ``TensorRef``."""
+
+    __slots__ = ("args", "constant_key", "kwargs", "outs", "plan")
 
     def __init__(
         self,
         plan: Plan,
-        leaves: list[Any],
-        spec: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
         outs: list[TensorRef],
         constant_key: int | None,
     ) -> None:
-        self.plan, self.leaves, self.spec, self.outs = plan, leaves, spec, outs
+        self.plan, self.args, self.kwargs, self.outs = plan, args, kwargs, outs
         self.constant_key = constant_key
         """Storage key of a factory or literal output (a candidate constant), else ``None``."""
 
@@ -77,8 +80,9 @@ class Record:
 class Recorder(TorchDispatchMode):
     """The dispatch mode active while a segment records; builds the tape op by op."""
 
-    def __init__(self) -> None:
+    def __init__(self, plan_cache: PlanCache) -> None:
         super().__init__()
+        self.plan_cache = plan_cache
         self.records: list[Record] = []
         self.storages: dict[int, StorageInfo] = {}
         self.num_ops = 0
@@ -86,6 +90,10 @@ class Recorder(TorchDispatchMode):
         self.factory_outputs: dict[int, torch.UntypedStorage] = {}
         """Factory and literal outputs, held until the segment ends to see if they are
         constants: never written after creation and referenced by nothing but the tape."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # never under torch.compile; skipping would import dynamo (seconds)
 
     def __torch_dispatch__(
         self,
@@ -97,15 +105,18 @@ class Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         check_capturable(func, args, kwargs)
         name = func._schema.name.split("::")[-1]
-        leaves, spec = tree_flatten((args, kwargs))
-        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        tensors = tensors_of((args, kwargs))
         mutating = func._schema.is_mutable
         inplace_view = torch.Tag.inplace_view in func.tags
         with _disable_current_modes():
-            before = inplace_copies(func, args, kwargs) if mutating and not inplace_view else {}
+            before = (
+                inplace_copies(func, args, kwargs, self.plan_cache)
+                if mutating and not inplace_view
+                else {}
+            )
         result = func(*args, **kwargs)
         self.num_ops += 1
-        outs = [o for o in tree_flatten(result)[0] if isinstance(o, torch.Tensor)]
+        outs = tensors_of(result)
         index = len(self.records)
         input_keys = {storage_key(t) for t in tensors}
         if name in _LITERALS:
@@ -129,12 +140,13 @@ class Recorder(TorchDispatchMode):
             if name in _LITERALS or (not mutating and _is_factory(name, tensors)):
                 constant_key = storage_key(outs[0])
                 self.factory_outputs[constant_key] = outs[0].untyped_storage()
+            ref = functools.partial(self._ref, index=index)
             self.records.append(
                 Record(
                     plan,
-                    [self._ref(x, index) for x in leaves],
-                    spec,
-                    [self._ref(o, index) for o in outs],
+                    map_leaves(ref, args, torch.Tensor),
+                    map_leaves(ref, kwargs, torch.Tensor),
+                    [ref(o) for o in outs],
                     constant_key,
                 )
             )
@@ -155,19 +167,17 @@ class Recorder(TorchDispatchMode):
         if name in _LITERALS:
             return Const(outs[0].clone())
         if mutating:
-            return plan_mutating(func, args, kwargs, outs, fresh, before)
+            return plan_mutating(func, args, kwargs, outs, fresh, before, self.plan_cache)
         if _is_factory(name, tensors) and len(outs) == 1:
             return plan_factory(func, args, kwargs, outs[0])
-        return plan_functional(func, args, kwargs, outs, fresh)
+        return plan_functional(func, args, kwargs, outs, fresh, self.plan_cache)
 
     def _allocated(self, t: torch.Tensor, index: int) -> None:
         key = storage_key(t)
         if key not in self.storages:
             self.storages[key] = StorageInfo(t.untyped_storage(), index)
 
-    def _ref(self, x: Any, index: int) -> Any:
-        if not isinstance(x, torch.Tensor):
-            return x
+    def _ref(self, x: torch.Tensor, index: int) -> TensorRef:
         info = self.storages.get(storage_key(x))
         if info is None:
             return TensorRef(x, weak=False)
