@@ -12,10 +12,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from dsv4 import DeepseekV4Config, save_random_checkpoint
 from runners.benchmark import GenerationThroughput
 
-__all__ = ["BaselineUnavailableError", "transformers_throughput"]
+__all__ = ["Baseline", "BaselineUnavailableError", "transformers_baseline"]
 
 
 class BaselineUnavailableError(RuntimeError):
@@ -29,6 +31,7 @@ def _load(checkpoint: Path | None, builtin_seed: int) -> Any:
         raise BaselineUnavailableError(
             "the transformers comparison needs transformers==5.23.0: pip install '.[test]'"
         ) from None
+    transformers.utils.logging.disable_progress_bar()
     if checkpoint is not None:
         return transformers.DeepseekV4ForCausalLM.from_pretrained(checkpoint).eval()
     with tempfile.TemporaryDirectory() as tmp:
@@ -36,14 +39,34 @@ def _load(checkpoint: Path | None, builtin_seed: int) -> Any:
         return transformers.DeepseekV4ForCausalLM.from_pretrained(tmp).eval()
 
 
-def transformers_throughput(
+@attrs.frozen(kw_only=True)
+class Baseline:
+    """The peer's timed round, its ``generate`` tokens, and its uncached greedy tokens."""
+
+    round: Callable[[], GenerationThroughput]
+    generate_tokens: list[list[int]]
+    uncached_tokens: list[list[int]]
+    """Greedy tokens from full forwards without a cache: the oracle our engine must equal."""
+
+
+def _uncached_greedy(model: Any, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+    import torch
+
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def transformers_baseline(
     checkpoint: Path | None,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     *,
     builtin_seed: int = 0,
-) -> tuple[Callable[[], GenerationThroughput], list[list[int]]]:
-    """A timed greedy ``generate`` round over ``prompts`` (one call each), and its tokens."""
+) -> Baseline:
+    """A timed greedy ``generate`` round over ``prompts`` (one call each), with its tokens."""
     import torch
 
     model = _load(checkpoint, builtin_seed)
@@ -64,8 +87,6 @@ def transformers_throughput(
                 outputs.append(out[0, len(prompt) :].tolist())
         return outputs
 
-    tokens = generate_all()
-
     def round_() -> GenerationThroughput:
         start = time.perf_counter()
         result = generate_all()
@@ -73,4 +94,8 @@ def transformers_throughput(
             tokens=sum(len(t) for t in result), seconds=time.perf_counter() - start
         )
 
-    return round_, tokens
+    return Baseline(
+        round=round_,
+        generate_tokens=generate_all(),
+        uncached_tokens=[_uncached_greedy(model, p, max_new_tokens) for p in prompts],
+    )

@@ -98,6 +98,8 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
         eos_token_id=eos,
     )
+    for prompt in prompts:
+        engine.llm.check(prompt, params)
     progress.update("capturing graphs")
     start = time.perf_counter()
     engine.runner.capture(

@@ -118,6 +118,11 @@ class LLM:
         self.scheduler.add(request)
         return request.request_id
 
+    def check(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> None:
+        """Raise what ``add_request`` would raise for this prompt, changing nothing (so a caller
+        can refuse bad input before expensive work such as graph capture)."""
+        self._prepare(prompt_ids, params, request_id="")
+
     def step(self) -> list[RequestOutput]:
         """Run one step; return the requests that finished in it (and any finished during a
         ``generate`` call that belonged to step-level callers)."""

@@ -1,0 +1,167 @@
+"""The ``dsv4`` CLI contract (DESIGN §7): JSON on stdout, one-line errors, equal-to-eager runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runners.cli.main import main
+
+FAST = ["--capture-sizes", "1,2,4", "--threads", "1"]
+
+
+def _json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict:
+    assert main([*argv, "--json"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1, "exactly one JSON object on one line"
+    return json.loads(out)
+
+
+def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, str]:
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("dsv4")
+    assert "Traceback" not in captured.err
+    return code, lines[0]
+
+
+def test_run_json_contract_and_graphs_equal_eager(capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = ["--prompt-ids", "1,2,3,4,5,6,7", "--prompt-ids", "9,8", "--max-new-tokens", "5"]
+    graphs = _json(capsys, ["run", *prompts, *FAST])
+    eager = _json(capsys, ["run", *prompts, *FAST, "--cudagraph-mode", "NONE"])
+    for key in (
+        "platform",
+        "runner",
+        "cudagraph_mode",
+        "eager_region",
+        "reasons",
+        "outputs",
+        "graphs",
+        "timing",
+    ):
+        assert key in graphs
+    assert graphs["platform"] == "cpu"
+    assert graphs["runner"] == "v2"
+    assert graphs["cudagraph_mode"] == {"decode": "FULL", "mixed": "PIECEWISE"}
+    assert graphs["eager_region"] == "narrow"
+    assert graphs["graphs"]["captured_sizes"] == [1, 2, 4]
+    assert graphs["graphs"]["num_graphs"] > 0 and graphs["graphs"]["num_eager_breaks"] > 0
+    assert eager["graphs"]["num_graphs"] == 0
+    assert [o["prompt_ids"] for o in graphs["outputs"]] == [[1, 2, 3, 4, 5, 6, 7], [9, 8]]
+    assert all(len(o["output_ids"]) == 5 for o in graphs["outputs"])
+    assert graphs["outputs"] == eager["outputs"]
+
+
+def test_simulated_rocm_runs_v1_wide(capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = ["--prompt", "hi", "--max-new-tokens", "3", "--ignore-eos"]
+    rocm = _json(capsys, ["run", "--platform", "rocm", "--simulate", *prompts, *FAST])
+    assert (rocm["platform"], rocm["simulated"], rocm["runner"]) == ("rocm", True, "v1")
+    assert rocm["eager_region"] == "wide"
+    assert rocm["cudagraph_mode"] == {"decode": "PIECEWISE", "mixed": "PIECEWISE"}
+    eager = _json(capsys, ["run", "--cudagraph-mode", "NONE", *prompts, *FAST])
+    assert rocm["outputs"] == eager["outputs"]
+    assert rocm["outputs"][0]["prompt_ids"] == list(b"hi")
+
+
+@pytest.mark.parametrize(
+    ("platform", "runner", "region"), [("cuda", "v2", "narrow"), ("rocm", "v1", "wide")]
+)
+def test_explain_every_platform_anywhere(
+    capsys: pytest.CaptureFixture[str], platform: str, runner: str, region: str
+) -> None:
+    payload = _json(capsys, ["explain", "--platform", platform])
+    assert (payload["runner"], payload["eager_region"]) == (runner, region)
+    assert payload["reasons"]
+    assert main(["explain", "--platform", platform]) == 0
+    text = capsys.readouterr().out
+    assert f"runner         {runner}" in text and "reasons:" in text
+
+
+def test_explain_v1_full_is_downgraded_with_a_reason(capsys: pytest.CaptureFixture[str]) -> None:
+    payload = _json(
+        capsys, ["explain", "--platform", "cuda", "--runner", "v1", "--cudagraph-mode", "FULL"]
+    )
+    assert payload["cudagraph_mode"] == {"decode": "PIECEWISE", "mixed": "PIECEWISE"}
+    assert any("FULL downgraded to PIECEWISE" in r for r in payload["reasons"])
+
+
+def test_init_checkpoint_then_run_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt = tmp_path / "ckpt"
+    made = _json(capsys, ["init-checkpoint", str(ckpt), "--preset", "tiny", "--seed", "0"])
+    assert made["files"] == ["config.json", "model.safetensors"]
+    prompts = ["--prompt-ids", "5,6,7", "--max-new-tokens", "4"]
+    from_ckpt = _json(capsys, ["run", "--checkpoint", str(ckpt), *prompts, *FAST])
+    builtin = _json(capsys, ["run", *prompts, *FAST])
+    assert from_ckpt["outputs"] == builtin["outputs"], "seed 0 is the built-in model's weights"
+    code, line = _error(capsys, ["init-checkpoint", str(ckpt)])
+    assert code == 2 and "--force" in line
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["run", "--bogus"], "unrecognized arguments"),
+        (["frobnicate"], "invalid choice"),
+        ([], "a command is required"),
+        (["run", "--runner", "v3"], "invalid choice"),
+        (["run", "--cudagraph-mode", "HALF"], "invalid choice"),
+        (["run", "--eager-region", "medium"], "invalid choice"),
+        (["run", "--prompt", ""], "--prompt is empty"),
+        (["run"], "no prompt given"),
+        (["run", "--prompt-ids", "1,x,3"], "'x' is not an integer"),
+        (["run", "--prompt-ids", "1,2", "--capture-sizes", "0,2"], "capture size 0"),
+        (["run", "--prompt-ids", "1,2", "--platform", "tpu"], "unknown platform 'tpu'"),
+        (["run", "--prompt-ids", "1,2", "--platform", "cuda"], "not available"),
+        (["run", "--prompt-ids", "1,99999"], "99999"),
+        (["run", "--prompt-ids", ",".join(["1"] * 600)], "600"),
+        (["run", "--prompt-ids", "1", "--max-new-tokens", "0"], "max_tokens"),
+        (["run", "--prompt-ids", "1", "--runner", "v1", "--eager-region", "narrow"], "wide"),
+        (["explain"], "--platform"),
+        (["init-checkpoint", "x", "--preset", "huge"], "unknown preset"),
+        (["bench", "--batch-sizes", "0"], ">= 1"),
+    ],
+)
+def test_bad_input_is_one_line_and_a_non_zero_exit(
+    capsys: pytest.CaptureFixture[str], argv: list[str], needle: str
+) -> None:
+    code, line = _error(capsys, argv)
+    assert code != 0
+    assert needle in line
+
+
+@pytest.mark.parametrize("broken", ["missing", "no-config", "bad-json", "truncated"])
+def test_missing_or_broken_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], broken: str
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    if broken != "missing":
+        assert main(["init-checkpoint", str(ckpt)]) == 0
+        capsys.readouterr()
+    if broken == "no-config":
+        (ckpt / "config.json").unlink()
+    elif broken == "bad-json":
+        (ckpt / "config.json").write_text("{not json")
+    elif broken == "truncated":
+        weights = ckpt / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:1000])
+    code, line = _error(capsys, ["run", "--checkpoint", str(ckpt), "--prompt-ids", "1,2"])
+    assert code == 1
+    assert str(ckpt) in line or "safetensors" in line or "config" in line
+
+
+def test_help_explains_every_command() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "runners.cli.main", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    for command in ("run", "explain", "matrix", "bench", "init-checkpoint"):
+        assert command in result.stdout
