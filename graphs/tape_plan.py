@@ -21,6 +21,7 @@ sample cannot prove two different functions equal, which is why candidates are n
 
 from __future__ import annotations
 
+import functools
 import types
 import warnings
 from collections.abc import Callable, Sequence
@@ -173,7 +174,12 @@ def _public_function(name: str) -> Callable[..., Any] | None:
     return None
 
 
-def _out_candidates(func: torch._ops.OpOverload, name: str) -> list[Plan]:
+@functools.cache
+def _out_candidates(func: torch._ops.OpOverload) -> tuple[Plan, ...]:
+    """The ``out=`` forms of ``func``: the public function of its name, then its out overload.
+
+    Cached per operator: it depends on nothing else, and ``to_out_variant`` scans overloads."""
+    name = func._schema.name.split("::")[-1]
     candidates: list[Plan] = []
     public = _public_function(name)
     if public is not None:
@@ -184,7 +190,7 @@ def _out_candidates(func: torch._ops.OpOverload, name: str) -> list[Plan]:
         out_op = None
     if out_op is not None:
         candidates.append(CallOut(_op_callable(out_op), tuple(get_out_arg_names(out_op))))
-    return candidates
+    return tuple(candidates)
 
 
 def plan_functional(
@@ -205,7 +211,7 @@ def plan_functional(
     copy_like = name in _COPY_LIKE and len(outs) == 1 and len(sources) == 1
     if copy_like and sources[0].numel() == outs[0].numel():
         candidates.append(CopyFrom(0))
-    candidates.extend(_out_candidates(func, name))
+    candidates.extend(_out_candidates(func))
     key = signature(func, args, kwargs, outs)
     winner = _first_reproducing(candidates, args, kwargs, outs, key, cache)
     return candidates[winner] if winner < len(candidates) else fallback
@@ -228,7 +234,7 @@ def plan_factory(
     if bool((out == first).all()) and _reproduces(Fill(first.item()), args, kwargs, [out]):
         return Fill(first.item())
     if _dense(out):
-        for candidate in _out_candidates(func, name):
+        for candidate in _out_candidates(func):
             if _reproduces(candidate, args, kwargs, [out]):
                 return candidate
     return Const(out.clone())
