@@ -5,6 +5,12 @@ Each block reads one collapsed input (``pre``-weighted sum of the streams) and w
 the RMS-normalised, flattened streams; ``comb`` is pushed towards a doubly-stochastic matrix by
 ``hc_sinkhorn_iters`` rounds of Sinkhorn normalisation (columns first). Everything that
 computes the mixing weights runs in fp32 with fp32 parameters, as in the reference.
+
+Op economy (a step costs per op, eagerly and on the CPU tape): the three scale/bias pairs are
+applied to all ``(2 + n) * n`` mixing logits at once; every Sinkhorn half-step is two ops,
+``x / baddbmm(eps, ones, x)`` (the sums plus ``eps`` in one batched product). Products and sums
+keep the reference's rounding steps (no fused multiply-adds), so bf16 models still round where
+the reference rounds.
 """
 
 from __future__ import annotations
@@ -13,13 +19,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv4.layers import rms_normalize
+from dsv4.layers import as_dtype
 
 __all__ = ["HyperConnection", "HyperHead", "mix"]
 
 
 class HyperConnection(nn.Module):
     """Mixing weights around one block (reference names ``fn``, ``base``, ``scale``)."""
+
+    scale_index: torch.Tensor
+    ones: torch.Tensor
+    eps_tensor: torch.Tensor
 
     def __init__(
         self, hc_mult: int, hidden_size: int, *, sinkhorn_iters: int, eps: float, norm_eps: float
@@ -33,24 +43,29 @@ class HyperConnection(nn.Module):
         self.fn = nn.Parameter(torch.zeros(width, hc_mult * hidden_size))
         self.base = nn.Parameter(torch.zeros(width))
         self.scale = nn.Parameter(torch.ones(3))
+        # which of the three scales each mixing logit takes: pre (n), post (n), comb (n * n)
+        index = torch.tensor([0] * hc_mult + [1] * hc_mult + [2] * hc_mult * hc_mult)
+        self.register_buffer("scale_index", index, persistent=False)
+        self.register_buffer("ones", torch.ones(1, 1, hc_mult), persistent=False)
+        self.register_buffer("eps_tensor", torch.tensor(eps), persistent=False)
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``streams [T, n, hidden]`` -> ``post [T, n]``, ``comb [T, n, n]``, block input."""
-        n = self.hc_mult
-        flat = rms_normalize(streams.flatten(1).float(), self.norm_eps)
-        mixes = F.linear(flat, self.fn.float())
-        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
-        pre_s, post_s, comb_s = self.scale.unbind(0)
-        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.eps
-        post = 2 * torch.sigmoid(post_w * post_s + post_b)
-        comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * comb_s + comb_b.view(n, n), dim=-1)
-        comb = comb + self.eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        n, tokens = self.hc_mult, streams.shape[0]
+        x = as_dtype(streams, torch.float32)
+        flat = F.rms_norm(x.flatten(1), (x.shape[1] * x.shape[2],), eps=self.norm_eps)
+        logits = F.linear(flat, self.fn) * self.scale[self.scale_index] + self.base
+        gates = torch.sigmoid(logits[:, : 2 * n])
+        pre = gates[:, :n] + self.eps
+        post = gates[:, n:] * 2
+        comb = torch.softmax(logits[:, 2 * n :].view(tokens, n, n), dim=-1) + self.eps
+        ones_row = self.ones.expand(tokens, 1, n)
+        ones_col = ones_row.transpose(1, 2)
+        comb = comb / torch.baddbmm(self.eps_tensor, ones_row, comb)
         for _ in range(self.sinkhorn_iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+            comb = comb / torch.baddbmm(self.eps_tensor, comb, ones_col)
+            comb = comb / torch.baddbmm(self.eps_tensor, ones_row, comb)
+        collapsed = as_dtype(torch.einsum("tn,tnh->th", pre, x), streams.dtype)
         return post, comb, collapsed
 
 
@@ -59,8 +74,8 @@ def mix(
 ) -> torch.Tensor:
     """New streams: ``post * output`` spread over the copies plus ``comb^T @ streams``."""
     dtype = streams.dtype
-    spread = post.to(dtype).unsqueeze(-1) * output.unsqueeze(-2)
-    return spread + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+    carried = torch.einsum("tij,tih->tjh", as_dtype(comb, dtype), streams)
+    return as_dtype(post, dtype).unsqueeze(-1) * output.unsqueeze(-2) + carried
 
 
 class HyperHead(nn.Module):
@@ -75,7 +90,8 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.ones(1))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        flat = rms_normalize(streams.flatten(1).float(), self.norm_eps)
-        mixes = F.linear(flat, self.hc_fn.float())
-        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        x = as_dtype(streams, torch.float32)
+        flat = F.rms_norm(x.flatten(1), (x.shape[1] * x.shape[2],), eps=self.norm_eps)
+        logits = F.linear(flat, self.hc_fn) * self.hc_scale + self.hc_base
+        pre = torch.sigmoid(logits) + self.eps
+        return as_dtype(torch.einsum("tn,tnh->th", pre, x), streams.dtype)
