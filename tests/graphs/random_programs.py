@@ -43,6 +43,8 @@ OPS = (
     "where",
     "norm",
 )
+GPU_OPS = tuple(op for op in OPS if op != "literal")
+"""A tensor literal inside a CUDA graph capture copies from pageable host memory: not allowed."""
 
 
 @attrs.frozen
@@ -78,11 +80,11 @@ class Env:
     cache: torch.Tensor
 
     @classmethod
-    def random(cls, generator: torch.Generator) -> Env:
+    def random(cls, generator: torch.Generator, device: str = "cpu") -> Env:
         return cls(
-            x=torch.randn(T, H, generator=generator),
-            idx=torch.randperm(S, generator=generator)[:T],
-            cache=torch.randn(S, H, generator=generator),
+            x=torch.randn(T, H, generator=generator).to(device),
+            idx=torch.randperm(S, generator=generator)[:T].to(device),
+            cache=torch.randn(S, H, generator=generator).to(device),
         )
 
     def clone(self) -> Env:
@@ -143,7 +145,7 @@ def _step(instr: Instr, regs: list[torch.Tensor], env: Env, weights: Weights) ->
         z[0] += b[0]
         return z
     if op == "arange":
-        return a * torch.arange(H, dtype=a.dtype) / H
+        return a * torch.arange(H, dtype=a.dtype, device=a.device) / H
     if op == "transpose_":  # in-place view ops between uses of one tensor
         t = a + 1.0
         t.t_()
@@ -215,13 +217,13 @@ def _nest(instrs: list[Instr], spans: list[tuple[int, int]]) -> Program:
 
 
 @st.composite
-def programs(draw: st.DrawFn, max_breaks: int = 3) -> Program:
+def programs(draw: st.DrawFn, max_breaks: int = 3, ops: Sequence[str] = OPS) -> Program:
     """1-12 instructions with 0-``max_breaks`` eager breaks at random spans, some nested."""
     instrs = draw(
         st.lists(
             st.builds(
                 Instr,
-                op=st.sampled_from(OPS),
+                op=st.sampled_from(tuple(ops)),
                 a=st.integers(0, 16),
                 b=st.integers(0, 16),
             ),
