@@ -90,6 +90,7 @@ def check_replay_equals_eager(
             same(env.cache, expected_env.cache)
 
 
+@settings(max_examples=4 * settings.default.max_examples)  # examples are cheap
 @given(program=programs(), seed=st.integers(0, 2**31 - 1), keep_registers=st.booleans())
 def test_replay_equals_eager_on_new_static_inputs(
     program: Program, seed: int, keep_registers: bool
