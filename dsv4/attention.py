@@ -33,7 +33,7 @@ from dsv4.layers import GroupedLinear, RMSNorm, rms_normalize
 from dsv4.metadata import AttentionMetadata
 from dsv4.paging import token_slots, write_rows
 from dsv4.pooling import entry_capacity, entry_visible
-from dsv4.rope import RotaryEmbedding
+from dsv4.rope import RotaryEmbedding, RotaryTables
 from graphs import EagerRegionStrategy, NarrowRegion, get_forward_context
 
 __all__ = ["DeepseekV4Attention"]
@@ -89,11 +89,18 @@ class DeepseekV4Attention(nn.Module):
         self.o_b_proj = nn.Linear(config.o_groups * config.o_lora_rank, hidden, bias=False)
         self.sinks = nn.Parameter(torch.zeros(config.num_attention_heads))
         if self.layer_type == SLIDING:
-            self.rope = RotaryEmbedding(config.rope_dim, config.rope_theta, config.main_yarn)
+            self.rope = RotaryEmbedding(
+                config.rope_dim, config.rope_theta, config.main_yarn, (config.head_dim,)
+            )
             self.compressor: Compressor | None = None
         else:
+            widths = (
+                (config.head_dim,)
+                if self.layer_type != CSA
+                else (config.head_dim, config.index_head_dim)
+            )
             self.rope = RotaryEmbedding(
-                config.rope_dim, config.compress_rope_theta, config.compress_yarn
+                config.rope_dim, config.compress_rope_theta, config.compress_yarn, widths
             )
             self.compressor = _compressor(config, self.layer_type)
         self._cache: LayerCache | None = None
@@ -120,9 +127,9 @@ class DeepseekV4Attention(nn.Module):
         q_residual = self.q_a_norm(self.q_a_proj(hidden_states))
         kv = self.kv_proj(hidden_states)
         out = hidden_states.new_empty(tokens, self.num_heads, self.head_dim)
-        attended = self._region(positions, hidden_states, q_residual, kv, out)
-        cos, sin = self.rope.cos_sin(positions, attended.dtype)
-        attended = self.rope.rotate(attended, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
+        tables = self.rope.tables(positions, hidden_states.dtype, self.head_dim)
+        attended = self._region(positions, hidden_states, q_residual, kv, out, tables)
+        attended = self.rope.rotate(attended, tables, inverse=True)
         grouped = self.o_a_proj(attended.reshape(tokens, self.o_groups, -1)).flatten(1)
         return self.o_b_proj(grouped)
 
@@ -138,12 +145,12 @@ class DeepseekV4Attention(nn.Module):
         q_residual: torch.Tensor,
         kv: torch.Tensor,
         out: torch.Tensor,
+        tables: RotaryTables,
     ) -> _Prepared:
         metadata, cache = _metadata(), self._cache_or_raise()
-        cos, sin = self.rope.cos_sin(positions, hidden_states.dtype)
         q = self.q_b_proj(q_residual).unflatten(-1, (self.num_heads, self.head_dim))
-        q = self.rope.rotate(rms_normalize(q, self.eps), cos.unsqueeze(1), sin.unsqueeze(1))
-        write_rows(cache.kv, metadata.slot_mapping, self.rope.rotate(self.kv_norm(kv), cos, sin))
+        q = self.rope.rotate(rms_normalize(q, self.eps), tables)
+        write_rows(cache.kv, metadata.slot_mapping, self.rope.rotate(self.kv_norm(kv), tables))
         index_queries = index_weights = None
         if self.compressor is not None and cache.compressor is not None:
             self.compressor.update(hidden_states, positions, cache.compressor, metadata, self.rope)
@@ -151,7 +158,7 @@ class DeepseekV4Attention(nn.Module):
             if indexer is not None and cache.indexer is not None:
                 indexer.update(hidden_states, positions, cache.indexer, metadata, self.rope)
                 index_queries, index_weights = indexer.queries(
-                    hidden_states, q_residual, cos, sin, self.rope
+                    hidden_states, q_residual, positions, self.rope
                 )
         return _Prepared(
             queries=q,

@@ -59,13 +59,12 @@ class Indexer(WindowPooler):
         self,
         hidden_states: torch.Tensor,
         q_residual: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        positions: torch.Tensor,
         rope: RotaryEmbedding,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated queries ``[T, n_I, c_I]`` and fp32 head weights ``[T, n_I]``."""
         q = self.q_b_proj(q_residual).unflatten(-1, (self.num_heads, self.dim))
-        q = rope.rotate(q, cos.unsqueeze(1), sin.unsqueeze(1))
+        q = rope.rotate(q, rope.tables(positions, q.dtype, self.dim))
         weights = self.scorer.weights_proj(hidden_states).float() * self.num_heads**-0.5
         return q, weights
 

@@ -84,8 +84,8 @@ class WindowPooler(nn.Module):
             gate_w = gate_w.masked_fill((window < 0).unsqueeze(-1), float("-inf"))
         weights = gate_w.softmax(dim=1, dtype=torch.float32).to(kv_w.dtype)
         pooled = self.kv_norm((kv_w * weights).sum(dim=1))
-        cos, sin = rope.cos_sin(positions - positions % self.rate, pooled.dtype)
-        entry = rope.rotate(pooled, cos, sin)
+        starts = positions - positions % self.rate
+        entry = rope.rotate(pooled, rope.tables(starts, pooled.dtype, self.dim))
 
         completes = ((positions + 1) % self.rate == 0) & (metadata.slot_mapping >= 0)
         entry_slots = token_slots(metadata, rows, positions // self.rate)

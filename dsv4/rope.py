@@ -7,18 +7,28 @@
 - YaRN blends interpolated and extrapolated frequencies over a truncated correction range and
   may scale cos/sin by ``attention_factor``; the reference forces that factor to 1.0 for the
   flat compress layout, and this module simply applies whatever the config holds.
+
+Op economy: for each vector width the module serves (``widths``), ``tables`` builds full-width
+``cos``/``sin`` rows once per step — cos 1 and sin 0 on the channels that do not rotate, the
+frequency repeated over each pair, the sign of the complex product folded into ``sin`` — and
+``rotate`` is then ``x * cos + swap_pairs(x) * sin``: one gather and three element-wise ops for
+the whole vector instead of slicing, stacking and concatenating. Every product and sum is the
+reference's own (``even*c - odd*s``, ``odd*c + even*s``; channels that do not rotate get
+``x*1 + y*0``), so the results round exactly where the reference rounds.
 """
 
 from __future__ import annotations
 
 import math
 
+import attrs
 import torch
 from torch import nn
 
 from dsv4.config import YarnScaling
+from dsv4.layers import as_dtype
 
-__all__ = ["RotaryEmbedding", "inverse_frequencies"]
+__all__ = ["RotaryEmbedding", "RotaryTables", "inverse_frequencies"]
 
 
 def inverse_frequencies(dim: int, theta: float, yarn: YarnScaling | None) -> torch.Tensor:
@@ -42,41 +52,90 @@ def inverse_frequencies(dim: int, theta: float, yarn: YarnScaling | None) -> tor
     return interpolated * (1 - keep_extrapolated) + extrapolated * keep_extrapolated
 
 
+@attrs.frozen(kw_only=True, eq=False)
+class RotaryTables:
+    """Full-width fp32 ``cos``/``sin`` rows ``[..., width]`` of one step (see the module doc)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+class _WidthTables(nn.Module):
+    """Constant rows for one vector width: frequencies, signs and scales, pair swap."""
+
+    frequencies: torch.Tensor
+    cos_scale: torch.Tensor
+    sin_scale: torch.Tensor
+    swap: torch.Tensor
+
+    def __init__(self, width: int, inv_freq: torch.Tensor, scaling: float) -> None:
+        super().__init__()
+        keep, dim = width - 2 * inv_freq.shape[0], 2 * inv_freq.shape[0]
+        if keep < 0:
+            raise ValueError(f"a width of {width} channels cannot hold {dim} rotary channels")
+        ones = torch.ones(keep)
+        pair = torch.arange(dim).view(-1, 2).flip(-1).flatten()
+        signs = torch.tensor([-scaling, scaling]).repeat(dim // 2)
+        tables = {
+            "frequencies": torch.cat((torch.zeros(keep), inv_freq.repeat_interleave(2))),
+            "cos_scale": torch.cat((ones, torch.full((dim,), scaling))),
+            "sin_scale": torch.cat((ones, signs)),
+            "swap": torch.cat((torch.arange(keep), keep + pair)),
+        }
+        for name, value in tables.items():
+            self.register_buffer(name, value, persistent=False)
+        self.scaled = scaling != 1.0
+
+
 class RotaryEmbedding(nn.Module):
     """One RoPE part (``main`` or ``compress``) for vectors whose trailing ``dim`` channels rotate.
 
     ``inv_freq`` is a non-persistent fp32 buffer: it moves with the module but is never part of
-    a checkpoint, and the model keeps it in fp32 whatever its compute dtype.
+    a checkpoint, and the model keeps it in fp32 whatever its compute dtype. ``widths`` are the
+    vector widths ``tables`` can serve.
     """
 
     inv_freq: torch.Tensor
 
-    def __init__(self, dim: int, theta: float, yarn: YarnScaling | None) -> None:
+    def __init__(
+        self, dim: int, theta: float, yarn: YarnScaling | None, widths: tuple[int, ...] = ()
+    ) -> None:
         super().__init__()
         self.dim = dim
         self.scaling = yarn.attention_factor if yarn is not None else 1.0
         self.register_buffer("inv_freq", inverse_frequencies(dim, theta, yarn), persistent=False)
+        self.widths = nn.ModuleDict(
+            {str(w): _WidthTables(w, self.inv_freq, self.scaling) for w in widths}
+        )
 
-    def cos_sin(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[..., dim // 2]`` cos and sin at ``positions``, rounded to ``dtype`` like the input."""
-        angles = positions.unsqueeze(-1).float() * self.inv_freq
-        cos = (angles.cos() * self.scaling).to(dtype)
-        sin = (angles.sin() * self.scaling).to(dtype)
-        return cos, sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype, width: int) -> RotaryTables:
+        """Rows at ``positions`` for vectors of ``width``; cos/sin rounded to ``dtype`` first,
+        as the reference rounds them to its input's dtype."""
+        rows = self.widths[str(width)]
+        assert isinstance(rows, _WidthTables)
+        angles = positions.unsqueeze(-1).float() * rows.frequencies
+        cos = angles.cos()
+        if rows.scaled:
+            cos = cos * rows.cos_scale
+        sin = angles.sin() * rows.sin_scale
+        if dtype != torch.float32:
+            cos, sin = cos.to(dtype).float(), sin.to(dtype).float()
+        return RotaryTables(cos=cos, sin=sin)
 
     def rotate(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool = False
+        self, x: torch.Tensor, tables: RotaryTables, *, inverse: bool = False
     ) -> torch.Tensor:
         """Rotate the trailing ``dim`` channels of ``x`` ``[..., width]``.
 
-        ``cos``/``sin`` have the leading shape of ``x`` minus any axes between (they broadcast
-        through a head axis when ``x`` is ``[T, heads, width]`` and ``cos`` is ``[T, 1, dim/2]``).
+        ``tables`` have the leading shape of ``x`` minus a head axis, if ``x`` has one
+        (``x`` ``[T, heads, width]`` with tables ``[T, width]``).
         """
-        keep, turn = x[..., : -self.dim], x[..., -self.dim :]
-        pairs = turn.float().unflatten(-1, (self.dim // 2, 2))
-        even, odd = pairs[..., 0], pairs[..., 1]
-        c, s = cos.float(), (-sin if inverse else sin).float()
-        rotated = torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)
-        return torch.cat((keep, rotated.to(x.dtype)), dim=-1)
+        rows = self.widths[str(x.shape[-1])]
+        assert isinstance(rows, _WidthTables)
+        cos, sin = tables.cos, tables.sin
+        if x.dim() > cos.dim():
+            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        h = as_dtype(x, torch.float32)
+        turned = h.index_select(-1, rows.swap) * sin
+        rotated = h * cos - turned if inverse else h * cos + turned
+        return as_dtype(rotated, x.dtype)
