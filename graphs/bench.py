@@ -14,7 +14,7 @@ import argparse
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
@@ -101,11 +101,11 @@ class AttentionBlock(torch.nn.Module):
         return x + self.o(out)
 
 
-def _median_per_call(fn: object, calls: int) -> list[float]:
+def _per_call_us(fn: Callable[[], object], calls: int) -> list[float]:
     times = []
     for _ in range(calls):
         start = time.perf_counter_ns()
-        fn()  # type: ignore[operator]
+        fn()
         times.append((time.perf_counter_ns() - start) / 1000)
     return times
 
@@ -129,8 +129,8 @@ def measure(size: BenchSize, *, threads: int = 1, rounds: int = 20, calls: int =
             eager: list[float] = []
             replay: list[float] = []
             for _ in range(rounds):
-                eager += _median_per_call(lambda: block(x, positions), calls)
-                replay += _median_per_call(capture.replay, calls)
+                eager += _per_call_us(lambda: block(x, positions), calls)
+                replay += _per_call_us(capture.replay, calls)
         return BenchResult(
             size=size,
             threads=threads,
