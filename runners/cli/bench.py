@@ -1,5 +1,8 @@
-"""Measure decode-step latency (eager vs FULL vs PIECEWISE narrow and wide), capture cost and
-generation throughput; report medians of interleaved runs and their ratios.
+"""Measure decode latency, capture cost and generation throughput, as ratios of medians.
+
+Decode-step latency of eager vs FULL vs PIECEWISE narrow and wide; capture time per size and
+memory held by captures; tokens per second of the engine (and of transformers' generate).
+Configurations are timed interleaved in one run and reported as medians and their ratios.
 
 Examples:
   dsv4 bench                                  # built-in tiny model, batch 1,4,16, 1 and 2 threads

@@ -166,7 +166,7 @@ def _run_key(spec: EngineSpec) -> tuple[Any, ...]:
 
 
 def render(payload: dict[str, Any]) -> str:
-    header = f"{'platform':<14}{'runner':<8}{'region':<12}{'mode':<20}{'resolved':<30}result"
+    header = f"{'platform':<14}{'runner':<8}{'region':<12}{'mode':<20}{'resolved':<32}result"
     lines = [header, "-" * len(header)]
     for cell in payload["cells"]:
         platform = cell["platform"] + ("*" if cell["simulated"] else "")
@@ -183,7 +183,7 @@ def render(payload: dict[str, Any]) -> str:
             result += f": {cell['detail'][:110]}"
         lines.append(
             f"{platform:<14}{cell['runner']:<8}{cell['eager_region']:<12}"
-            f"{cell['cudagraph_mode']:<20}{resolved_text:<30}{result}"
+            f"{cell['cudagraph_mode']:<20}{resolved_text:<32}{result}"
         )
     counts = ", ".join(f"{n} {status}" for status, n in sorted(payload["counts"].items()))
     lines.append(f"* simulated on the CPU. {counts}; {payload['distinct_runs']} distinct runs.")
