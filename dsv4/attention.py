@@ -29,10 +29,10 @@ from dsv4.cache import LayerCache
 from dsv4.compressor import Compressor
 from dsv4.config import CSA, SLIDING, DeepseekV4Config
 from dsv4.indexer import Indexer
-from dsv4.layers import GroupedLinear, RMSNorm, rms_normalize
+from dsv4.layers import GroupedLinear, RMSNorm, as_dtype, rms_normalize
 from dsv4.metadata import AttentionMetadata
-from dsv4.paging import token_slots, write_rows
-from dsv4.pooling import entry_capacity, entry_visible
+from dsv4.paging import sink_rows, token_slots, write_rows
+from dsv4.pooling import PoolingPlan, entry_capacity, entry_visible
 from dsv4.rope import RotaryEmbedding, RotaryTables
 from graphs import EagerRegionStrategy, NarrowRegion, get_forward_context
 
@@ -150,13 +150,19 @@ class DeepseekV4Attention(nn.Module):
         metadata, cache = _metadata(), self._cache_or_raise()
         q = self.q_b_proj(q_residual).unflatten(-1, (self.num_heads, self.head_dim))
         q = self.rope.rotate(rms_normalize(q, self.eps), tables)
-        write_rows(cache.kv, metadata.slot_mapping, self.rope.rotate(self.kv_norm(kv), tables))
+        write = sink_rows(metadata.slot_mapping, cache.kv)
+        write_rows(cache.kv, write, self.rope.rotate(self.kv_norm(kv), tables))
         index_queries = index_weights = None
-        if self.compressor is not None and cache.compressor is not None:
-            self.compressor.update(hidden_states, positions, cache.compressor, metadata, self.rope)
-            indexer = self.compressor.indexer
+        compressor = self.compressor
+        if compressor is not None and cache.compressor is not None:
+            plan = PoolingPlan.build(
+                positions, metadata, compressor.rate, compressor.span, cache.kv
+            )
+            compressor.update(hidden_states, write, plan, cache.compressor, self.rope)
+            indexer = compressor.indexer
             if indexer is not None and cache.indexer is not None:
-                indexer.update(hidden_states, positions, cache.indexer, metadata, self.rope)
+                # same rate and overlap as the compressor: the same windows and entries
+                indexer.update(hidden_states, write, plan, cache.indexer, self.rope)
                 index_queries, index_weights = indexer.queries(
                     hidden_states, q_residual, positions, self.rope
                 )
@@ -179,40 +185,31 @@ class DeepseekV4Attention(nn.Module):
         if compressor is not None and cache.compressor is not None:
             capacity = entry_capacity(metadata, compressor.rate)
             if capacity > 0:
-                chosen, chosen_visible = self._entries(prepared, capacity, cache, metadata)
-                entries = cache.compressor.entries[token_slots(metadata, rows, chosen)]
-                keys = torch.cat((keys, entries), dim=1)
-                visible = torch.cat((visible, chosen_visible), dim=1)
+                entries = torch.arange(capacity, device=positions.device)
+                slots = token_slots(metadata, rows, entries)
+                entries_visible = entry_visible(entries, positions, compressor.rate)
+                indexer = compressor.indexer
+                if indexer is not None and cache.indexer is not None:
+                    assert prepared.index_queries is not None
+                    assert prepared.index_weights is not None
+                    chosen = indexer.select(
+                        prepared.index_queries,
+                        prepared.index_weights,
+                        cache.indexer.entries[slots],
+                        entries_visible,
+                    )
+                    slots = slots.gather(1, chosen)
+                    entries_visible = entries_visible.gather(1, chosen)
+                keys = torch.cat((keys, cache.compressor.entries[slots]), dim=1)
+                visible = torch.cat((visible, entries_visible), dim=1)
         queries = prepared.queries
-        bias = torch.zeros(visible.shape, dtype=queries.dtype, device=queries.device)
-        bias = bias.masked_fill(~visible, float("-inf"))
-        logits = torch.einsum("thd,tkd->thk", queries, keys) * self.scaling + bias.unsqueeze(1)
+        logits = torch.einsum("thd,tkd->thk", queries, keys) * self.scaling
+        logits = torch.where(visible.unsqueeze(1), logits, float("-inf"))
         sinks = self.sinks.view(1, -1, 1).expand(queries.shape[0], -1, 1)
-        logits = torch.cat((logits.float(), sinks.float()), dim=-1)
-        logits = logits - logits.amax(dim=-1, keepdim=True)
-        probs = logits.softmax(dim=-1)[..., :-1].to(keys.dtype)
+        logits = torch.cat((as_dtype(logits, torch.float32), sinks), dim=-1)
+        probs = as_dtype(logits.softmax(dim=-1)[..., :-1], keys.dtype)
         prepared.out.copy_(torch.einsum("thk,tkd->thd", probs, keys))
         return prepared.out
-
-    def _entries(
-        self, prepared: _Prepared, capacity: int, cache: LayerCache, metadata: AttentionMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Entry indices each token attends ``[T, k]`` and whether each is visible."""
-        assert self.compressor is not None
-        indexer = self.compressor.indexer
-        if indexer is None:
-            entries = torch.arange(capacity, device=prepared.positions.device)
-            entries = entries.expand(prepared.positions.shape[0], capacity)
-            return entries, entry_visible(entries, prepared.positions, self.compressor.rate)
-        assert prepared.index_queries is not None and prepared.index_weights is not None
-        assert cache.indexer is not None
-        return indexer.select(
-            prepared.index_queries,
-            prepared.index_weights,
-            prepared.positions,
-            cache.indexer,
-            metadata,
-        )
 
 
 def _compressor(config: DeepseekV4Config, layer_type: str) -> Compressor:

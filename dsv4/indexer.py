@@ -18,10 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsv4.cache import CompressorCache
-from dsv4.metadata import AttentionMetadata
-from dsv4.paging import token_slots
-from dsv4.pooling import WindowPooler, entry_capacity, entry_visible
+from dsv4.pooling import WindowPooler
 from dsv4.rope import RotaryEmbedding
 
 __all__ = ["Indexer", "IndexerScorer"]
@@ -72,18 +69,12 @@ class Indexer(WindowPooler):
         self,
         queries: torch.Tensor,
         weights: torch.Tensor,
-        positions: torch.Tensor,
-        cache: CompressorCache,
-        metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Selected entry indices ``[T, k]`` and whether each is visible (valid)."""
-        capacity = entry_capacity(metadata, self.rate)
-        entries = torch.arange(capacity, device=positions.device)
-        slots = token_slots(metadata, metadata.token_request.unsqueeze(-1), entries)
-        keys = cache.entries[slots].float()
-        scores = torch.relu(torch.matmul(queries.float(), keys.transpose(1, 2))) * self.dim**-0.5
-        scores = (scores * weights.unsqueeze(-1)).sum(dim=1)
-        visible = entry_visible(entries, positions, self.rate)
+        keys: torch.Tensor,
+        visible: torch.Tensor,
+    ) -> torch.Tensor:
+        """Selected entry indices ``[T, k]`` among the ``keys`` ``[T, capacity, c_I]`` of every
+        entry of each token's request, of which ``visible`` ``[T, capacity]`` are complete."""
+        scores = torch.einsum("thd,tsd->ths", queries.float(), keys.float()).relu_()
+        scores = (scores * self.dim**-0.5 * weights.unsqueeze(-1)).sum(dim=1)
         scores = scores.masked_fill(~visible, float("-inf"))
-        chosen = scores.topk(min(self.topk, capacity), dim=-1).indices
-        return chosen, entry_visible(chosen, positions, self.rate)
+        return scores.topk(min(self.topk, keys.shape[1]), dim=-1).indices

@@ -3,16 +3,18 @@
 Every cache tensor has ``num_blocks * block_size + 1`` rows: row ``s`` holds cache slot ``s`` and
 the last row is a write sink. A write to slot -1 (padding, or a token that completes no window)
 lands in the sink, so "writes nothing" costs no data-dependent branch; the sink is never read
-for a visible position.
+for a visible position. All caches of a model have the same rows, so a step resolves its
+slots to rows once (``sink_rows``) and every write is a single ``index_copy_``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from dsv4.layers import as_dtype
 from dsv4.metadata import AttentionMetadata
 
-__all__ = ["token_slots", "write_rows"]
+__all__ = ["sink_rows", "token_slots", "write_rows"]
 
 
 def token_slots(
@@ -29,7 +31,11 @@ def token_slots(
     return blocks * size + positions % size
 
 
-def write_rows(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
-    """``cache[slots[i]] = values[i]``; slot -1 writes into the sink row instead."""
-    sink = cache.shape[0] - 1
-    cache.index_copy_(0, torch.where(slots >= 0, slots, sink), values.to(cache.dtype))
+def sink_rows(slots: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """The cache rows ``slots`` write to: the slot itself, or the sink row for slot -1."""
+    return torch.where(slots >= 0, slots, cache.shape[0] - 1)
+
+
+def write_rows(cache: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """``cache[rows[i]] = values[i]`` for rows resolved by ``sink_rows``."""
+    cache.index_copy_(0, rows, as_dtype(values, cache.dtype))

@@ -17,20 +17,25 @@ the ``m`` (or ``2m``) positions ending at itself through the block table and poo
 a token that completes a window (``(t+1) % m == 0``) writes its pooled entry; every other
 token writes to slot -1 (nothing). Shapes depend only on the token count and host constants,
 and there is no host sync: partial windows persist across steps in the paged state.
+
+Op economy: where each token reads its window and writes its entry depends only on the rate,
+so ``PoolingPlan`` computes it once per step and rate (a CSA layer's compressor and indexer
+share one); an overlapping window gathers its ``a`` and ``b`` halves in one indexing op.
 """
 
 from __future__ import annotations
 
+import attrs
 import torch
 from torch import nn
 
 from dsv4.cache import CompressorCache
-from dsv4.layers import RMSNorm
+from dsv4.layers import RMSNorm, as_dtype
 from dsv4.metadata import AttentionMetadata
-from dsv4.paging import token_slots, write_rows
+from dsv4.paging import sink_rows, token_slots, write_rows
 from dsv4.rope import RotaryEmbedding
 
-__all__ = ["WindowPooler", "entry_capacity", "entry_visible"]
+__all__ = ["PoolingPlan", "WindowPooler", "entry_capacity", "entry_visible"]
 
 
 def entry_capacity(metadata: AttentionMetadata, rate: int) -> int:
@@ -43,8 +48,49 @@ def entry_visible(entries: torch.Tensor, positions: torch.Tensor, rate: int) -> 
     return (entries + 1) * rate <= positions.unsqueeze(-1) + 1
 
 
+@attrs.frozen(kw_only=True, eq=False)
+class PoolingPlan:
+    """Where the tokens of one step read their windows and write their entries (one rate)."""
+
+    phase: torch.Tensor
+    """``[T]`` each token's slot in its window (``position % m``)."""
+    window_slots: torch.Tensor
+    """``[T, span]`` cache slots of the window ending at each token (clamped at position 0)."""
+    before_start: torch.Tensor
+    """``[T, span, 1]`` window positions before the request's start (weigh nothing)."""
+    entry_rows: torch.Tensor
+    """``[T]`` cache row of the entry each token completes; the sink row if it completes none."""
+    entry_positions: torch.Tensor
+    """``[T]`` first position of each token's window (where its entry's RoPE turns)."""
+
+    @classmethod
+    def build(
+        cls,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        rate: int,
+        span: int,
+        sink: torch.Tensor,
+    ) -> PoolingPlan:
+        """The plan for ``rate`` and windows of ``span`` positions; ``sink`` is any cache."""
+        rows = metadata.token_request
+        phase = positions % rate
+        window = positions.unsqueeze(-1) + torch.arange(1 - span, 1, device=positions.device)
+        completes = (phase == rate - 1) & (metadata.slot_mapping >= 0)
+        entry_slots = token_slots(metadata, rows, positions // rate)
+        return cls(
+            phase=phase,
+            window_slots=token_slots(metadata, rows.unsqueeze(-1), window.clamp(min=0)),
+            before_start=(window < 0).unsqueeze(-1),
+            entry_rows=sink_rows(torch.where(completes, entry_slots, -1), sink),
+            entry_positions=positions - phase,
+        )
+
+
 class WindowPooler(nn.Module):
     """Parameters and paged update shared by the compressors and the indexer's key compressor."""
+
+    halves: torch.Tensor
 
     def __init__(self, hidden_size: int, dim: int, rate: int, *, overlap: bool, eps: float) -> None:
         super().__init__()
@@ -52,41 +98,37 @@ class WindowPooler(nn.Module):
         self.dim = dim
         self.rate = rate
         self.overlap = overlap
+        self.span = 2 * rate if overlap else rate
         self.kv_proj = nn.Linear(hidden_size, width, bias=False)
         self.gate_proj = nn.Linear(hidden_size, width, bias=False)
         self.position_bias = nn.Parameter(torch.zeros(rate, width))
         self.kv_norm = RMSNorm(dim, eps)
+        # which half (a = 0, b = 1) each of the 2m overlapping window slots pools
+        halves = torch.tensor([0] * rate + [1] * rate) if overlap else torch.zeros(0)
+        self.register_buffer("halves", halves.long(), persistent=False)
 
     def update(
         self,
         hidden_states: torch.Tensor,
-        positions: torch.Tensor,
+        write: torch.Tensor,
+        plan: PoolingPlan,
         cache: CompressorCache,
-        metadata: AttentionMetadata,
         rope: RotaryEmbedding,
     ) -> None:
-        """Record this step's tokens and write every entry a token of the step completes."""
-        rows = metadata.token_request
+        """Record this step's tokens (at cache rows ``write``) and write every entry a token of
+        the step completes."""
         kv = self.kv_proj(hidden_states)
-        gate = self.gate_proj(hidden_states) + self.position_bias[positions % self.rate]
-        write_rows(cache.kv, metadata.slot_mapping, kv)
-        write_rows(cache.gate, metadata.slot_mapping, gate)
-
-        span = 2 * self.rate if self.overlap else self.rate
-        offsets = torch.arange(1 - span, 1, device=positions.device)
-        window = positions.unsqueeze(-1) + offsets
-        slots = token_slots(metadata, rows.unsqueeze(-1), window.clamp(min=0))
-        kv_w, gate_w = cache.kv[slots], cache.gate[slots]
+        gate = self.gate_proj(hidden_states) + self.position_bias[plan.phase]
+        write_rows(cache.kv, write, kv)
+        write_rows(cache.gate, write, gate)
         if self.overlap:
-            m, d = self.rate, self.dim
-            kv_w = torch.cat((kv_w[:, :m, :d], kv_w[:, m:, d:]), dim=1)
-            gate_w = torch.cat((gate_w[:, :m, :d], gate_w[:, m:, d:]), dim=1)
-            gate_w = gate_w.masked_fill((window < 0).unsqueeze(-1), float("-inf"))
-        weights = gate_w.softmax(dim=1, dtype=torch.float32).to(kv_w.dtype)
+            index = (plan.window_slots, self.halves)
+            kv_w = cache.kv.view(cache.kv.shape[0], 2, self.dim)[index]
+            gate_w = cache.gate.view(cache.gate.shape[0], 2, self.dim)[index]
+            gate_w = gate_w.masked_fill(plan.before_start, float("-inf"))
+        else:
+            kv_w, gate_w = cache.kv[plan.window_slots], cache.gate[plan.window_slots]
+        weights = as_dtype(gate_w.softmax(dim=1, dtype=torch.float32), kv_w.dtype)
         pooled = self.kv_norm((kv_w * weights).sum(dim=1))
-        starts = positions - positions % self.rate
-        entry = rope.rotate(pooled, rope.tables(starts, pooled.dtype, self.dim))
-
-        completes = ((positions + 1) % self.rate == 0) & (metadata.slot_mapping >= 0)
-        entry_slots = token_slots(metadata, rows, positions // self.rate)
-        write_rows(cache.entries, torch.where(completes, entry_slots, -1), entry)
+        entry = rope.rotate(pooled, rope.tables(plan.entry_positions, pooled.dtype, self.dim))
+        write_rows(cache.entries, plan.entry_rows, entry)
