@@ -8,7 +8,7 @@ computes the mixing weights runs in fp32 with fp32 parameters, as in the referen
 
 Op economy (a step costs per op, eagerly and on the CPU tape): the three scale/bias pairs are
 applied to all ``(2 + n) * n`` mixing logits at once; every Sinkhorn half-step is two ops,
-``x / baddbmm(eps, ones, x)`` (the sums plus ``eps`` in one batched product). Products and sums
+``x /= baddbmm(eps, ones, x)`` (the sums plus ``eps`` in one batched product). Products and sums
 keep the reference's rounding steps (no fused multiply-adds), so bf16 models still round where
 the reference rounds.
 """
@@ -61,10 +61,10 @@ class HyperConnection(nn.Module):
         comb = torch.softmax(logits[:, 2 * n :].view(tokens, n, n), dim=-1) + self.eps
         ones_row = self.ones.expand(tokens, 1, n)
         ones_col = ones_row.transpose(1, 2)
-        comb = comb / torch.baddbmm(self.eps_tensor, ones_row, comb)
+        comb.div_(torch.baddbmm(self.eps_tensor, ones_row, comb))
         for _ in range(self.sinkhorn_iters - 1):
-            comb = comb / torch.baddbmm(self.eps_tensor, comb, ones_col)
-            comb = comb / torch.baddbmm(self.eps_tensor, ones_row, comb)
+            comb.div_(torch.baddbmm(self.eps_tensor, comb, ones_col))
+            comb.div_(torch.baddbmm(self.eps_tensor, ones_row, comb))
         collapsed = as_dtype(torch.einsum("tn,tnh->th", pre, x), streams.dtype)
         return post, comb, collapsed
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.config import DeepseekV4Config
+from dsv4.layers import as_dtype
 
 __all__ = ["MoE", "SharedExpert"]
 
@@ -54,11 +55,11 @@ class Experts(nn.Module):
     def forward(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        gate_up = torch.matmul(self.gate_up_proj[experts], x[:, None, :, None]).squeeze(-1)
+        gate_up = torch.einsum("tkoh,th->tko", self.gate_up_proj[experts], x)
         gate, up = gate_up.chunk(2, dim=-1)
         hidden = _swiglu(gate, up, self.limit)
-        out = torch.matmul(self.down_proj[experts], hidden.unsqueeze(-1)).squeeze(-1)
-        return (out * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
+        out = torch.einsum("tkhi,tki->tkh", self.down_proj[experts], hidden)
+        return (out * as_dtype(weights, out.dtype).unsqueeze(-1)).sum(dim=1)
 
 
 class Router(nn.Module):
@@ -90,7 +91,7 @@ class Router(nn.Module):
             torch.sigmoid(logits) if self.scoring_func == "sigmoid" else F.softplus(logits).sqrt()
         )
         if self.hashed:
-            experts = self.tid2eid[input_ids].long()
+            experts = as_dtype(self.tid2eid[input_ids], torch.int64)
         else:
             biased = scores + self.e_score_correction_bias
             experts = torch.topk(biased, self.top_k, dim=-1, sorted=False).indices
