@@ -23,7 +23,7 @@ _SKIPPED_ROOTS = tuple(
     for module in (torch, graphs)
     if module.__file__ is not None
 )
-_internal_code: dict[CodeType, bool] = {}
+_internal_code: dict[CodeType, bool] = {}  # memo: whether a code object is machinery
 
 
 def _is_internal(code: CodeType) -> bool:
