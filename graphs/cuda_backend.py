@@ -31,6 +31,11 @@ class _OpCounter(TorchDispatchMode):
         super().__init__()
         self.count = 0
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """Keep torch from importing dynamo and wrapping every op of this mode."""
+        return False
+
     def __torch_dispatch__(
         self,
         func: Any,
