@@ -50,9 +50,6 @@ class RecordingExecutor:
         self.runner = runner
         self.steps: list[tuple[StepKey, torch.Tensor]] = []
 
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.runner, name)
-
     @property
     def max_rows(self) -> int:
         return self.runner.max_rows

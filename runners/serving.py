@@ -39,6 +39,7 @@ __all__ = [
     "build_engine",
     "build_model",
     "resolve_platform",
+    "resolve_spec",
 ]
 
 BUILTIN_ARCHITECTURE = "DeepseekV4ForCausalLM"
@@ -108,17 +109,22 @@ def architecture_of(spec: EngineSpec) -> str:
         return BUILTIN_ARCHITECTURE
 
 
-def build_engine(spec: EngineSpec, *, model: DeepseekV4ForCausalLM | None = None) -> Engine:
-    """Resolve ``spec``, then build the runner and the engine (loading the model if not given)."""
-    platform = resolve_platform(spec.platform, simulated=spec.simulate)
-    resolution = resolve(
+def resolve_spec(spec: EngineSpec) -> Resolution:
+    """The resolution ``spec`` asks for (raises ``ResolutionError`` for a refused choice)."""
+    return resolve(
         architecture_of(spec),
-        platform,
+        resolve_platform(spec.platform, simulated=spec.simulate),
         runner=spec.runner,
         cudagraph_mode=spec.cudagraph_mode,
         eager_region=spec.eager_region,
         unsafe_region=spec.unsafe_region,
     )
+
+
+def build_engine(spec: EngineSpec, *, model: DeepseekV4ForCausalLM | None = None) -> Engine:
+    """Resolve ``spec``, then build the runner and the engine (loading the model if not given)."""
+    resolution = resolve_spec(spec)
+    platform = resolution.platform
     platform.require_available()
     if model is None:
         model = build_model(spec)

@@ -147,22 +147,13 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
 def _run_key(spec: EngineSpec) -> tuple[Any, ...]:
     """Cells whose resolution is the same run once: the key is what the run depends on."""
     from runners.errors import ResolutionError
-    from runners.resolution import resolve
-    from runners.serving import architecture_of, resolve_platform
+    from runners.serving import resolve_spec
 
-    platform = resolve_platform(spec.platform, simulated=spec.simulate)
     try:
-        r = resolve(
-            architecture_of(spec),
-            platform,
-            runner=spec.runner,
-            cudagraph_mode=spec.cudagraph_mode,
-            eager_region=spec.eager_region,
-            unsafe_region=spec.unsafe_region,
-        )
+        r = resolve_spec(spec)
     except ResolutionError as exc:
         return ("refused", spec.platform, str(exc))
-    return (platform.device_type, r.runner.name, r.decode_mode, r.mixed_mode, r.eager_region)
+    return (r.platform.device_type, r.runner.name, r.decode_mode, r.mixed_mode, r.eager_region)
 
 
 def render(payload: dict[str, Any]) -> str:
