@@ -165,3 +165,15 @@ def test_help_explains_every_command() -> None:
     )
     for command in ("run", "explain", "matrix", "bench", "init-checkpoint"):
         assert command in result.stdout
+
+
+def test_seeded_sampling_reproduces_and_differs_from_greedy(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    base = ["run", "--prompt-ids", "1,2,3", "--max-new-tokens", "8", "--ignore-eos", *FAST]
+    sampled = ["--temperature", "1.5", "--top-k", "50", "--top-p", "0.95", "--seed", "7"]
+    first = _json(capsys, [*base, *sampled])["outputs"]
+    again = _json(capsys, [*base, *sampled])["outputs"]
+    greedy = _json(capsys, base)["outputs"]
+    assert first == again
+    assert first != greedy
