@@ -16,7 +16,8 @@ Invariants:
   factories and literals are re-filled with their captured value (so they start fresh each
   replay even if mutated later) — unless, when the segment ends, nothing wrote them after their
   creation and nothing but the tape references them: such *constants* are kept and never
-  replayed. See ``graphs.tape_ops`` for how each replay call is chosen.
+  replayed. Composite ops are recorded as the ops eager runs for them (``graphs.tape_record``).
+  See ``graphs.tape_ops`` for how each replay call is chosen.
 - Replay is straight-line: the segment is compiled, when it ends, into a list of zero-argument
   callables; replay calls them in order under inference mode and does nothing else.
 - Illegal ops (host syncs, data-dependent shapes, random ops) raise ``CaptureError`` while

@@ -6,6 +6,11 @@ run it, classify it by what it did to memory (found by storage), choose its repl
 to tensors allocated in the segment, strong ones to tensors from outside it.
 
 Invariants:
+- An op eager runs as its ``CompositeImplicitAutograd`` decomposition on the tensors' device (no
+  kernel of its own there: ``linear``, ``einsum``, ``rms_norm``, ``softmax``) is not recorded;
+  the ops of that decomposition are, as eager runs them, so each gets its own ``out=`` plan
+  instead of the composite being run and copied on every replay. The result is the same by
+  construction: it is the very kernel sequence eager runs.
 - Views (every output aliases an input's storage) and in-place view ops are not recorded: their
   outputs already point at the right memory, and each later use snapshots the view metadata.
 - ``storages`` holds every storage allocated in the segment, with the first and last record
@@ -39,6 +44,23 @@ __all__ = ["Record", "Recorder", "StorageInfo"]
 _LITERALS = frozenset({"lift_fresh", "lift", "lift_fresh_copy"})
 _FACTORY_PREFIXES = ("new_",)
 _FACTORY_SUFFIXES = ("_like",)
+
+
+_BACKEND_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+
+
+@functools.cache
+def _runs_decomposed(func: torch._ops.OpOverload, device_type: str) -> bool:
+    """True when eager runs ``func`` on ``device_type`` as its ``CompositeImplicitAutograd``
+    decomposition (no kernel of its own for the device)."""
+    backend = _BACKEND_KEYS.get(device_type)
+    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    name = func.name()
+    return (
+        backend is not None
+        and has_kernel(name, "CompositeImplicitAutograd")
+        and not has_kernel(name, backend)
+    )
 
 
 def _is_factory(name: str, tensors: list[torch.Tensor]) -> bool:
@@ -104,8 +126,13 @@ class Recorder(TorchDispatchMode):
     ) -> Any:
         kwargs = kwargs or {}
         check_capturable(func, args, kwargs)
-        name = func._schema.name.split("::")[-1]
         tensors = tensors_of((args, kwargs))
+        if tensors and _runs_decomposed(func, tensors[0].device.type):
+            # Record the ops eager runs for it instead: each gets its own (out=) plan, where the
+            # composite op itself has no out= form and would be run and copied.
+            with self:
+                return func.decompose(*args, **kwargs)
+        name = func._schema.name.split("::")[-1]
         mutating = func._schema.is_mutable
         inplace_view = torch.Tag.inplace_view in func.tags
         with _disable_current_modes():

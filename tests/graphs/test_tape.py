@@ -65,6 +65,9 @@ OPS: dict[str, Program] = {
     "literal-mutated": lambda x: torch.tensor([1.0, 2.0, 3.0, 4.0]).add_(x[:, 0]),
     "split": lambda x: sum(x.split(2, dim=1)),
     "unbind-cat": lambda x: torch.cat(x.unbind(0)),
+    "rms_norm": lambda x: torch.rms_norm(x, (6,), torch.linspace(0.5, 1.5, 6), 1e-6),
+    "einsum": lambda x: torch.einsum("ij,kj->ik", x, x.flip(0)),
+    "linear": lambda x: torch.nn.functional.linear(x, x[:2].flip(1), torch.arange(2.0)),
 }
 
 
@@ -158,6 +161,20 @@ def test_views_are_not_replayed_and_replay_is_one_call_per_op() -> None:
     x.fill_(1.0)
     capture.replay()
     assert torch.equal(out, torch.full((2, 5, 4), 2.0))
+
+
+def test_composite_ops_are_recorded_as_the_ops_eager_runs_for_them() -> None:
+    """``linear`` has no CPU kernel of its own: eager runs ``t`` (a view) and ``mm``, and the
+    tape records those, so the replay is one ``mm`` into the output, not a run and a copy."""
+    x, w = torch.randn(4, 6), torch.randn(3, 6)
+    with torch.inference_mode(), BreakableCapture(TapeBackend()) as capture:
+        out = torch.nn.functional.linear(x, w)
+    (segment,) = capture.segments
+    assert isinstance(segment, TapeSegment)
+    assert (segment.num_ops, segment.num_steps) == (2, 1)
+    x.copy_(torch.randn(4, 6))
+    capture.replay()
+    assert torch.equal(out, torch.nn.functional.linear(x, w))
 
 
 def test_dropped_intermediates_share_an_arena_and_only_held_tensors_are_retained() -> None:
