@@ -6,17 +6,20 @@
 2. ``self._region(...)`` — what the strategy composed from the two private steps:
    - ``_prepare``: everything that reads or writes attention metadata: query up-projection,
      per-head norm and RoPE; KV norm, RoPE and cache insert; the compressor; the indexer's
-     keys, queries and weights. No host syncs, shapes static in T (capturable);
+     keys, queries and weights; and every cache address ``_attend`` will read (the window's
+     key slots, the compressed entries' slots and visibility). No host syncs, shapes static
+     in T (capturable);
    - ``_attend``: indexer scoring and top-k, then one softmax per head over the window keys,
      the visible (CSA: selected) compressed entries and the sink; writes the preallocated
      output and returns it. No host syncs on any path: each token gathers its own request's
-     window and entries through the block table with static shapes and masks what it may not
-     see, so even FULL graphs can capture it;
+     window and entries with static shapes and masks what it may not see, so even FULL
+     graphs can capture it;
 3. inverse RoPE on the output and the grouped low-rank output projection (captured).
 
 No other path calls ``_prepare``/``_attend``, so no caller can bypass the strategy.
-``_attend`` reads the metadata from the forward context itself, never from its argument: an
-eager segment replays with its capture-time arguments, but must see the step being replayed.
+``_attend`` reads no metadata at all, only what ``_prepare`` handed it: an eager segment replays
+with its capture-time arguments, and those are tensors the captured ``_prepare`` rewrites on
+every replay (or, in a wider region, fresh tensors of the same eager run).
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ from dsv4.config import CSA, SLIDING, DeepseekV4Config
 from dsv4.indexer import Indexer
 from dsv4.layers import GroupedLinear, RMSNorm, as_dtype, rms_normalize
 from dsv4.metadata import AttentionMetadata
-from dsv4.paging import sink_rows, token_slots, write_rows
-from dsv4.pooling import PoolingPlan, entry_capacity, entry_visible
+from dsv4.paging import Window, request_blocks, sink_rows, token_slots, write_rows
+from dsv4.pooling import PoolingPlan, entry_capacity, entry_ends
 from dsv4.rope import RotaryEmbedding, RotaryTables
 from graphs import EagerRegionStrategy, NarrowRegion, get_forward_context
 
@@ -40,13 +43,25 @@ __all__ = ["DeepseekV4Attention"]
 
 
 @attrs.frozen(kw_only=True, eq=False)
-class _Prepared:
-    """What ``_prepare`` hands to ``_attend``: tensors only, no metadata."""
+class _Entries:
+    """The compressed entries every query may attend (one row per token)."""
 
-    queries: torch.Tensor
-    positions: torch.Tensor
+    slots: torch.Tensor
+    """``[T, capacity]`` cache slots of every entry of the token's request."""
+    visible: torch.Tensor
+    """``[T, capacity]`` which of them are complete for the token."""
     index_queries: torch.Tensor | None
     index_weights: torch.Tensor | None
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class _Prepared:
+    """What ``_prepare`` hands to ``_attend``: tensors only (addresses already resolved)."""
+
+    queries: torch.Tensor
+    window: Window
+    """The sliding window: key slots and positions (negative: before the request's start)."""
+    entries: _Entries | None
     out: torch.Tensor
 
 
@@ -127,9 +142,10 @@ class DeepseekV4Attention(nn.Module):
         q_residual = self.q_a_norm(self.q_a_proj(hidden_states))
         kv = self.kv_proj(hidden_states)
         out = hidden_states.new_empty(tokens, self.num_heads, self.head_dim)
-        tables = self.rope.tables(positions, hidden_states.dtype, self.head_dim)
-        attended = self._region(positions, hidden_states, q_residual, kv, out, tables)
-        attended = self.rope.rotate(attended, tables, inverse=True)
+        tables = self.rope.tables(positions, hidden_states.dtype)
+        heads = tables.last(self.head_dim).per_head()
+        attended = self._region(positions, hidden_states, q_residual, kv, out, tables, heads)
+        attended = self.rope.rotate(attended, heads, inverse=True)
         grouped = self.o_a_proj(attended.reshape(tokens, self.o_groups, -1)).flatten(1)
         return self.o_b_proj(grouped)
 
@@ -146,70 +162,85 @@ class DeepseekV4Attention(nn.Module):
         kv: torch.Tensor,
         out: torch.Tensor,
         tables: RotaryTables,
+        heads: RotaryTables,
     ) -> _Prepared:
         metadata, cache = _metadata(), self._cache_or_raise()
         q = self.q_b_proj(q_residual).unflatten(-1, (self.num_heads, self.head_dim))
-        q = self.rope.rotate(rms_normalize(q, self.eps), tables)
+        q = self.rope.rotate(rms_normalize(q, self.eps), heads)
         write = sink_rows(metadata.slot_mapping, cache.kv)
-        write_rows(cache.kv, write, self.rope.rotate(self.kv_norm(kv), tables))
-        index_queries = index_weights = None
+        write_rows(cache.kv, write, self.rope.rotate(self.kv_norm(kv), tables.last(self.head_dim)))
+        block_size, query_positions = metadata.block_size, positions.unsqueeze(-1)
+        blocks = request_blocks(metadata)
         compressor = self.compressor
-        if compressor is not None and cache.compressor is not None:
-            plan = PoolingPlan.build(
-                positions, metadata, compressor.rate, compressor.span, cache.kv
+        span = compressor.span if compressor is not None else 0
+        # one window serves attention and pooling: its trailing sliding_window / span positions
+        window = Window.ending_at(
+            query_positions, max(self.sliding_window, span), blocks, block_size
+        )
+        prepared = _Prepared(
+            queries=q, window=window.last(self.sliding_window), entries=None, out=out
+        )
+        if compressor is None or cache.compressor is None:
+            return prepared
+        rate = compressor.rate
+        plan = PoolingPlan.build(
+            positions,
+            rate,
+            window.last(span),
+            write,
+            cache.kv.shape[0] - 1,
+            overlap=compressor.overlap,
+        )
+        entry_tables = self.rope.tables(plan.entry_positions, hidden_states.dtype)
+        compressor.update(hidden_states, write, plan, cache.compressor, self.rope, entry_tables)
+        index_queries = index_weights = None
+        indexer = compressor.indexer
+        if indexer is not None and cache.indexer is not None:
+            # same rate and overlap as the compressor: the same windows and entries
+            indexer.update(hidden_states, write, plan, cache.indexer, self.rope, entry_tables)
+            index_queries, index_weights = indexer.queries(
+                hidden_states, q_residual, tables.per_head(), self.rope
             )
-            compressor.update(hidden_states, write, plan, cache.compressor, self.rope)
-            indexer = compressor.indexer
-            if indexer is not None and cache.indexer is not None:
-                # same rate and overlap as the compressor: the same windows and entries
-                indexer.update(hidden_states, write, plan, cache.indexer, self.rope)
-                index_queries, index_weights = indexer.queries(
-                    hidden_states, q_residual, positions, self.rope
-                )
-        return _Prepared(
-            queries=q,
-            positions=positions,
+        capacity = entry_capacity(metadata, rate)
+        if capacity == 0:
+            return prepared
+        ends = entry_ends(capacity, rate, positions.device)
+        entries = _Entries(
+            slots=token_slots(blocks, ends.expand(positions.shape[0], -1), block_size),
+            visible=ends <= query_positions,
             index_queries=index_queries,
             index_weights=index_weights,
-            out=out,
         )
+        return attrs.evolve(prepared, entries=entries)
 
     def _attend(self, prepared: _Prepared) -> torch.Tensor:
-        metadata, cache = _metadata(), self._cache_or_raise()
-        positions, rows = prepared.positions, metadata.token_request.unsqueeze(-1)
-        offsets = torch.arange(1 - self.sliding_window, 1, device=positions.device)
-        window = positions.unsqueeze(-1) + offsets
-        keys = cache.kv[token_slots(metadata, rows, window.clamp(min=0))]
-        visible = window >= 0
-        compressor = self.compressor
-        if compressor is not None and cache.compressor is not None:
-            capacity = entry_capacity(metadata, compressor.rate)
-            if capacity > 0:
-                entries = torch.arange(capacity, device=positions.device)
-                slots = token_slots(metadata, rows, entries)
-                entries_visible = entry_visible(entries, positions, compressor.rate)
-                indexer = compressor.indexer
-                if indexer is not None and cache.indexer is not None:
-                    assert prepared.index_queries is not None
-                    assert prepared.index_weights is not None
-                    chosen = indexer.select(
-                        prepared.index_queries,
-                        prepared.index_weights,
-                        cache.indexer.entries[slots],
-                        entries_visible,
-                    )
-                    slots = slots.gather(1, chosen)
-                    entries_visible = entries_visible.gather(1, chosen)
-                keys = torch.cat((keys, cache.compressor.entries[slots]), dim=1)
-                visible = torch.cat((visible, entries_visible), dim=1)
+        cache = self._cache_or_raise()
+        window = prepared.window
+        keys = cache.kv[window.slots]
+        visible = window.positions >= 0
+        entries = prepared.entries
+        if entries is not None and cache.compressor is not None:
+            slots, entries_visible = entries.slots, entries.visible
+            indexer = self.compressor.indexer if self.compressor is not None else None
+            if indexer is not None and cache.indexer is not None:
+                assert entries.index_queries is not None and entries.index_weights is not None
+                chosen = indexer.select(
+                    entries.index_queries,
+                    entries.index_weights,
+                    cache.indexer.entries[slots],
+                    entries_visible,
+                )
+                slots = slots.gather(1, chosen)
+                entries_visible = entries_visible.gather(1, chosen)
+            keys = torch.cat((keys, cache.compressor.entries[slots]), dim=1)
+            visible = torch.cat((visible, entries_visible), dim=1)
         queries = prepared.queries
         logits = torch.einsum("thd,tkd->thk", queries, keys) * self.scaling
         logits = torch.where(visible.unsqueeze(1), logits, float("-inf"))
         sinks = self.sinks.view(1, -1, 1).expand(queries.shape[0], -1, 1)
         logits = torch.cat((as_dtype(logits, torch.float32), sinks), dim=-1)
         probs = as_dtype(logits.softmax(dim=-1)[..., :-1], keys.dtype)
-        prepared.out.copy_(torch.einsum("thk,tkd->thd", probs, keys))
-        return prepared.out
+        return torch.bmm(probs, keys, out=prepared.out)
 
 
 def _compressor(config: DeepseekV4Config, layer_type: str) -> Compressor:

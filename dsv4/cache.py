@@ -9,8 +9,8 @@ Layout (``S = num_blocks * block_size`` slots, plus one write-sink row, see ``ds
   includes the fp32 position bias of the token's slot in its window, so it is kept in fp32
   whatever the cache dtype, as the reference computes it) — the state of windows not yet
   complete, and of the previous window for the CSA overlap. ``entries`` ``[S+1, dim]`` holds
-  pooled entries: entry ``w`` of a request lives at the slot of *position* ``w`` of that request
-  (``w < n / m <= n``, so the request's own blocks always cover it).
+  pooled entries: entry ``w`` of a request lives at the slot of position ``(w+1)*m - 1``, the
+  token that completed it (so the request's own blocks always cover it).
 
 A request with ``n`` tokens needs ``ceil(n / block_size)`` blocks; blocks are ``0..num_blocks-1``.
 Caches start zeroed; stale contents of reused blocks are never visible because visibility is

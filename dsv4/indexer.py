@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from dsv4.pooling import WindowPooler
-from dsv4.rope import RotaryEmbedding
+from dsv4.rope import RotaryEmbedding, RotaryTables
 
 __all__ = ["Indexer", "IndexerScorer"]
 
@@ -56,12 +56,13 @@ class Indexer(WindowPooler):
         self,
         hidden_states: torch.Tensor,
         q_residual: torch.Tensor,
-        positions: torch.Tensor,
+        heads: RotaryTables,
         rope: RotaryEmbedding,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotated queries ``[T, n_I, c_I]`` and fp32 head weights ``[T, n_I]``."""
+        """Queries ``[T, n_I, c_I]`` rotated by ``heads`` (the query positions' per-head rows)
+        and fp32 head weights ``[T, n_I]``."""
         q = self.q_b_proj(q_residual).unflatten(-1, (self.num_heads, self.dim))
-        q = rope.rotate(q, rope.tables(positions, q.dtype, self.dim))
+        q = rope.rotate(q, heads.last(self.dim))
         weights = self.scorer.weights_proj(hidden_states).float() * self.num_heads**-0.5
         return q, weights
 

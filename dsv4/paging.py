@@ -5,30 +5,57 @@ the last row is a write sink. A write to slot -1 (padding, or a token that compl
 lands in the sink, so "writes nothing" costs no data-dependent branch; the sink is never read
 for a visible position. All caches of a model have the same rows, so a step resolves its
 slots to rows once (``sink_rows``) and every write is a single ``index_copy_``.
+
+A layer resolves its tokens' block-table rows once per step (``request_blocks``); every lookup
+is then one gather plus the offset in the block (``token_slots``). Every position looked up is
+below ``max_blocks_per_row * block_size``: a query reads positions up to its own, and entries up
+to its request's capacity; metadata refuses a position its row's blocks do not cover.
 """
 
 from __future__ import annotations
 
+import attrs
 import torch
 
 from dsv4.layers import as_dtype
 from dsv4.metadata import AttentionMetadata
 
-__all__ = ["sink_rows", "token_slots", "write_rows"]
+__all__ = ["Window", "request_blocks", "sink_rows", "token_slots", "write_rows"]
 
 
-def token_slots(
-    metadata: AttentionMetadata, rows: torch.Tensor, positions: torch.Tensor
-) -> torch.Tensor:
-    """Cache slot of ``positions`` in block-table ``rows`` (broadcast together).
+def request_blocks(metadata: AttentionMetadata) -> torch.Tensor:
+    """``[T, max_blocks_per_row]`` first cache slot of each block of every token's request."""
+    return metadata.block_table[metadata.token_request] * metadata.block_size
 
-    Positions beyond the table are clamped to its last block: only invisible (masked) or
-    padded lookups can reach them, so what they read does not matter, but they never fault.
-    """
-    size = metadata.block_size
-    last_block = metadata.block_table.shape[1] - 1
-    blocks = metadata.block_table[rows, (positions // size).clamp(0, last_block)]
-    return blocks * size + positions % size
+
+def token_slots(blocks: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slots ``[T, K]`` of ``positions`` ``[T, K]`` (each ``>= 0``) of every token's
+    request, given its ``request_blocks``."""
+    return blocks.gather(1, positions // block_size) + positions % block_size
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Window:
+    """The ``L`` positions ending at each token's own, and their cache slots."""
+
+    positions: torch.Tensor
+    """``[T, L]``; negative before the request's start."""
+    slots: torch.Tensor
+    """``[T, L]``; positions before the start read position 0 (callers mask or weigh them)."""
+
+    @classmethod
+    def ending_at(
+        cls, positions: torch.Tensor, length: int, blocks: torch.Tensor, block_size: int
+    ) -> Window:
+        """The window of ``length`` positions ending at ``positions`` ``[T, 1]``."""
+        window = positions + torch.arange(1 - length, 1, device=positions.device)
+        return cls(positions=window, slots=token_slots(blocks, window.clamp(min=0), block_size))
+
+    def last(self, length: int) -> Window:
+        """The trailing ``length`` positions (a view; no op when it is the whole window)."""
+        if length == self.positions.shape[1]:
+            return self
+        return Window(positions=self.positions[:, -length:], slots=self.slots[:, -length:])
 
 
 def sink_rows(slots: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:

@@ -14,13 +14,15 @@ The softmax runs per channel in fp32.
 Per-token formulation (what makes this capturable): every token of the step first writes its
 projections into the paged state (``CompressorCache.kv``/``gate``), then every token gathers
 the ``m`` (or ``2m``) positions ending at itself through the block table and pools them. Only
-a token that completes a window (``(t+1) % m == 0``) writes its pooled entry; every other
-token writes to slot -1 (nothing). Shapes depend only on the token count and host constants,
-and there is no host sync: partial windows persist across steps in the paged state.
+a token that completes a window (``(t+1) % m == 0``) writes its pooled entry, into its own
+cache slot (so entry ``w`` lives at the slot of position ``(w+1)*m - 1``); every other token,
+and every padded one, writes to the sink. Shapes depend only on the token count and host
+constants, and there is no host sync: partial windows persist across steps in the paged state.
 
 Op economy: where each token reads its window and writes its entry depends only on the rate,
 so ``PoolingPlan`` computes it once per step and rate (a CSA layer's compressor and indexer
-share one); an overlapping window gathers its ``a`` and ``b`` halves in one indexing op.
+share one, and its window is a view of the attention layer's); an overlapping window gathers
+its ``a`` and ``b`` halves in one indexing op.
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ from torch import nn
 from dsv4.cache import CompressorCache
 from dsv4.layers import RMSNorm, as_dtype
 from dsv4.metadata import AttentionMetadata
-from dsv4.paging import sink_rows, token_slots, write_rows
-from dsv4.rope import RotaryEmbedding
+from dsv4.paging import Window, write_rows
+from dsv4.rope import RotaryEmbedding, RotaryTables
 
-__all__ = ["PoolingPlan", "WindowPooler", "entry_capacity", "entry_visible"]
+__all__ = ["PoolingPlan", "WindowPooler", "entry_capacity", "entry_ends"]
 
 
 def entry_capacity(metadata: AttentionMetadata, rate: int) -> int:
@@ -43,9 +45,10 @@ def entry_capacity(metadata: AttentionMetadata, rate: int) -> int:
     return int(metadata.block_table.shape[1]) * metadata.block_size // rate
 
 
-def entry_visible(entries: torch.Tensor, positions: torch.Tensor, rate: int) -> torch.Tensor:
-    """Whether entry index ``entries[t, k]`` is complete for the query at ``positions[t]``."""
-    return (entries + 1) * rate <= positions.unsqueeze(-1) + 1
+def entry_ends(capacity: int, rate: int, device: torch.device) -> torch.Tensor:
+    """``[capacity]`` last position of each entry's window: where the entry is stored, and the
+    first query position that sees it."""
+    return torch.arange(rate - 1, capacity * rate, rate, device=device)
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -56,10 +59,11 @@ class PoolingPlan:
     """``[T]`` each token's slot in its window (``position % m``)."""
     window_slots: torch.Tensor
     """``[T, span]`` cache slots of the window ending at each token (clamped at position 0)."""
-    before_start: torch.Tensor
-    """``[T, span, 1]`` window positions before the request's start (weigh nothing)."""
+    before_start: torch.Tensor | None
+    """``[T, span, 1]`` window positions before the request's start (overlapping windows only;
+    they weigh nothing)."""
     entry_rows: torch.Tensor
-    """``[T]`` cache row of the entry each token completes; the sink row if it completes none."""
+    """``[T]`` cache row of the entry each token completes (its own); the sink if none."""
     entry_positions: torch.Tensor
     """``[T]`` first position of each token's window (where its entry's RoPE turns)."""
 
@@ -67,22 +71,21 @@ class PoolingPlan:
     def build(
         cls,
         positions: torch.Tensor,
-        metadata: AttentionMetadata,
         rate: int,
-        span: int,
-        sink: torch.Tensor,
+        window: Window,
+        write: torch.Tensor,
+        sink: int,
+        *,
+        overlap: bool,
     ) -> PoolingPlan:
-        """The plan for ``rate`` and windows of ``span`` positions; ``sink`` is any cache."""
-        rows = metadata.token_request
+        """The plan for ``rate`` over ``window`` (``span`` positions ending at each token);
+        ``write`` are the tokens' own cache rows (the ``sink`` row for padding)."""
         phase = positions % rate
-        window = positions.unsqueeze(-1) + torch.arange(1 - span, 1, device=positions.device)
-        completes = (phase == rate - 1) & (metadata.slot_mapping >= 0)
-        entry_slots = token_slots(metadata, rows, positions // rate)
         return cls(
             phase=phase,
-            window_slots=token_slots(metadata, rows.unsqueeze(-1), window.clamp(min=0)),
-            before_start=(window < 0).unsqueeze(-1),
-            entry_rows=sink_rows(torch.where(completes, entry_slots, -1), sink),
+            window_slots=window.slots,
+            before_start=(window.positions < 0).unsqueeze(-1) if overlap else None,
+            entry_rows=torch.where(phase == rate - 1, write, sink),
             entry_positions=positions - phase,
         )
 
@@ -114,9 +117,10 @@ class WindowPooler(nn.Module):
         plan: PoolingPlan,
         cache: CompressorCache,
         rope: RotaryEmbedding,
+        entry_tables: RotaryTables,
     ) -> None:
         """Record this step's tokens (at cache rows ``write``) and write every entry a token of
-        the step completes."""
+        the step completes (``entry_tables``: rope rows at ``plan.entry_positions``)."""
         kv = self.kv_proj(hidden_states)
         gate = self.gate_proj(hidden_states) + self.position_bias[plan.phase]
         write_rows(cache.kv, write, kv)
@@ -125,10 +129,11 @@ class WindowPooler(nn.Module):
             index = (plan.window_slots, self.halves)
             kv_w = cache.kv.view(cache.kv.shape[0], 2, self.dim)[index]
             gate_w = cache.gate.view(cache.gate.shape[0], 2, self.dim)[index]
+            assert plan.before_start is not None
             gate_w = gate_w.masked_fill(plan.before_start, float("-inf"))
         else:
             kv_w, gate_w = cache.kv[plan.window_slots], cache.gate[plan.window_slots]
         weights = as_dtype(gate_w.softmax(dim=1, dtype=torch.float32), kv_w.dtype)
         pooled = self.kv_norm((kv_w * weights).sum(dim=1))
-        entry = rope.rotate(pooled, rope.tables(plan.entry_positions, pooled.dtype, self.dim))
+        entry = rope.rotate(pooled, entry_tables.last(self.dim))
         write_rows(cache.entries, plan.entry_rows, entry)

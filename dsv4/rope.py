@@ -8,13 +8,15 @@
   may scale cos/sin by ``attention_factor``; the reference forces that factor to 1.0 for the
   flat compress layout, and this module simply applies whatever the config holds.
 
-Op economy: for each vector width the module serves (``widths``), ``tables`` builds full-width
-``cos``/``sin`` rows once per step — cos 1 and sin 0 on the channels that do not rotate, the
-frequency repeated over each pair, the sign of the complex product folded into ``sin`` — and
-``rotate`` is then ``x * cos + swap_pairs(x) * sin``: one gather and three element-wise ops for
-the whole vector instead of slicing, stacking and concatenating. Every product and sum is the
-reference's own (``even*c - odd*s``, ``odd*c + even*s``; channels that do not rotate get
-``x*1 + y*0``), so the results round exactly where the reference rounds.
+Op economy: ``tables`` builds full-width ``cos``/``sin`` rows once per step and position set —
+cos 1 and sin 0 on the channels that do not rotate, the frequency repeated over each pair, the
+sign of the complex product folded into the frequency of the even channel (``sin(-a) == -sin(a)``
+and ``cos(-a) == cos(a)`` exactly) — and ``rotate`` is then ``x * cos + swap_pairs(x) * sin``:
+one gather and three element-wise ops for the whole vector instead of slicing, stacking and
+concatenating. The rows of a narrower vector are the trailing channels of a wider one's
+(``RotaryTables.last``), so one table serves every width at the same positions. Every product
+and sum is the reference's own (``even*c - odd*s``, ``odd*c + even*s``; channels that do not
+rotate get ``x*1 + y*0``), so the results round exactly where the reference rounds.
 """
 
 from __future__ import annotations
@@ -54,18 +56,28 @@ def inverse_frequencies(dim: int, theta: float, yarn: YarnScaling | None) -> tor
 
 @attrs.frozen(kw_only=True, eq=False)
 class RotaryTables:
-    """Full-width fp32 ``cos``/``sin`` rows ``[..., width]`` of one step (see the module doc)."""
+    """Full-width fp32 ``cos``/``sin`` rows (see the module doc): ``[T, width]``, or
+    ``[T, 1, width]`` for vectors with a head axis (``per_head``)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
 
+    def last(self, width: int) -> RotaryTables:
+        """The rows of a ``width``-channel vector: the trailing ``width`` channels."""
+        if width == self.cos.shape[-1]:
+            return self
+        return RotaryTables(cos=self.cos[..., -width:], sin=self.sin[..., -width:])
+
+    def per_head(self) -> RotaryTables:
+        """The same rows with a head axis, for ``[T, heads, width]`` vectors."""
+        return RotaryTables(cos=self.cos.unsqueeze(-2), sin=self.sin.unsqueeze(-2))
+
 
 class _WidthTables(nn.Module):
-    """Constant rows for one vector width: frequencies, signs and scales, pair swap."""
+    """Constant rows for one vector width: signed frequencies, scales, pair swap."""
 
     frequencies: torch.Tensor
-    cos_scale: torch.Tensor
-    sin_scale: torch.Tensor
+    scale: torch.Tensor
     swap: torch.Tensor
 
     def __init__(self, width: int, inv_freq: torch.Tensor, scaling: float) -> None:
@@ -73,13 +85,11 @@ class _WidthTables(nn.Module):
         keep, dim = width - 2 * inv_freq.shape[0], 2 * inv_freq.shape[0]
         if keep < 0:
             raise ValueError(f"a width of {width} channels cannot hold {dim} rotary channels")
-        ones = torch.ones(keep)
         pair = torch.arange(dim).view(-1, 2).flip(-1).flatten()
-        signs = torch.tensor([-scaling, scaling]).repeat(dim // 2)
+        signs = torch.tensor([-1.0, 1.0]).repeat(dim // 2)
         tables = {
-            "frequencies": torch.cat((torch.zeros(keep), inv_freq.repeat_interleave(2))),
-            "cos_scale": torch.cat((ones, torch.full((dim,), scaling))),
-            "sin_scale": torch.cat((ones, signs)),
+            "frequencies": torch.cat((torch.zeros(keep), inv_freq.repeat_interleave(2) * signs)),
+            "scale": torch.cat((torch.ones(keep), torch.full((dim,), scaling))),
             "swap": torch.cat((torch.arange(keep), keep + pair)),
         }
         for name, value in tables.items():
@@ -92,7 +102,7 @@ class RotaryEmbedding(nn.Module):
 
     ``inv_freq`` is a non-persistent fp32 buffer: it moves with the module but is never part of
     a checkpoint, and the model keeps it in fp32 whatever its compute dtype. ``widths`` are the
-    vector widths ``tables`` can serve.
+    vector widths ``rotate`` serves; ``tables`` builds rows for the widest.
     """
 
     inv_freq: torch.Tensor
@@ -107,17 +117,21 @@ class RotaryEmbedding(nn.Module):
         self.widths = nn.ModuleDict(
             {str(w): _WidthTables(w, self.inv_freq, self.scaling) for w in widths}
         )
+        self.width = max(widths, default=0)
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype, width: int) -> RotaryTables:
-        """Rows at ``positions`` for vectors of ``width``; cos/sin rounded to ``dtype`` first,
-        as the reference rounds them to its input's dtype."""
+    def _rows(self, width: int) -> _WidthTables:
         rows = self.widths[str(width)]
         assert isinstance(rows, _WidthTables)
-        angles = positions.unsqueeze(-1).float() * rows.frequencies
-        cos = angles.cos()
+        return rows
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryTables:
+        """``[T, width]`` rows at ``positions`` for the widest vector served; cos/sin rounded
+        to ``dtype`` first, as the reference rounds them to its input's dtype."""
+        rows = self._rows(self.width)
+        angles = positions.unsqueeze(-1) * rows.frequencies  # int64 * fp32 computes in fp32
+        cos, sin = angles.cos(), angles.sin()
         if rows.scaled:
-            cos = cos * rows.cos_scale
-        sin = angles.sin() * rows.sin_scale
+            cos, sin = cos * rows.scale, sin * rows.scale
         if dtype != torch.float32:
             cos, sin = cos.to(dtype).float(), sin.to(dtype).float()
         return RotaryTables(cos=cos, sin=sin)
@@ -125,17 +139,9 @@ class RotaryEmbedding(nn.Module):
     def rotate(
         self, x: torch.Tensor, tables: RotaryTables, *, inverse: bool = False
     ) -> torch.Tensor:
-        """Rotate the trailing ``dim`` channels of ``x`` ``[..., width]``.
-
-        ``tables`` have the leading shape of ``x`` minus a head axis, if ``x`` has one
-        (``x`` ``[T, heads, width]`` with tables ``[T, width]``).
-        """
-        rows = self.widths[str(x.shape[-1])]
-        assert isinstance(rows, _WidthTables)
-        cos, sin = tables.cos, tables.sin
-        if x.dim() > cos.dim():
-            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        """Rotate the trailing ``dim`` channels of ``x`` ``[..., width]`` by ``tables`` of the
+        same width and rank (``tables.last(width)``, ``.per_head()``)."""
         h = as_dtype(x, torch.float32)
-        turned = h.index_select(-1, rows.swap) * sin
-        rotated = h * cos - turned if inverse else h * cos + turned
+        turned = h.index_select(-1, self._rows(x.shape[-1]).swap) * tables.sin
+        rotated = h * tables.cos - turned if inverse else h * tables.cos + turned
         return as_dtype(rotated, x.dtype)
