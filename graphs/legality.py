@@ -19,7 +19,7 @@ import torch
 from graphs._source import user_location
 from graphs.errors import CaptureError
 
-__all__ = ["check_capturable"]
+__all__ = ["JUDGED_WHOLE", "check_capturable"]
 
 _aten = torch.ops.aten
 
@@ -35,6 +35,11 @@ _DATA_DEPENDENT_SHAPES = frozenset({"where", "nonzero", "argwhere", "masked_sele
 _INDEXING = frozenset({"index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index"})
 _DROPOUTS = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_dropout"})
 _STORAGE_SWAPS = frozenset({"set_"})
+
+JUDGED_WHOLE = frozenset({"one_hot", "repeat_interleave", *_DROPOUTS})
+"""Composite ops judged legal by their arguments as a whole: a recorder must not record them as
+their decompositions, which may read the host only to validate (``one_hot`` checks its indices
+with ``.item()`` on the CPU; given ``num_classes`` the output does not depend on that read)."""
 
 
 def _name(func: torch._ops.OpOverload) -> str:

@@ -25,10 +25,10 @@ import functools
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphs._tensor_refs import TensorRef, WeakStorage, map_leaves, storage_key, tensors_of
-from graphs.legality import check_capturable
+from graphs.legality import JUDGED_WHOLE, check_capturable
 from graphs.tape_ops import Const, Plan
 from graphs.tape_plan import (
     PlanCache,
@@ -47,6 +47,9 @@ _FACTORY_SUFFIXES = ("_like",)
 
 
 _BACKEND_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+_COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
+"""Its C++ kernel, the one eager runs: never a Python decomposition (``OpOverload.decompose``
+prefers those, and they need not issue the same ops)."""
 
 
 @functools.cache
@@ -58,6 +61,7 @@ def _runs_decomposed(func: torch._ops.OpOverload, device_type: str) -> bool:
     name = func.name()
     return (
         backend is not None
+        and func._schema.name.split("::")[-1] not in JUDGED_WHOLE
         and has_kernel(name, "CompositeImplicitAutograd")
         and not has_kernel(name, backend)
     )
@@ -129,13 +133,15 @@ class Recorder(TorchDispatchMode):
         tensors = tensors_of((args, kwargs))
         if tensors and _runs_decomposed(func, tensors[0].device.type):
             # Record the ops eager runs for it instead: each gets its own (out=) plan, where the
-            # composite op itself has no out= form and would be run and copied.
+            # composite op itself has no out= form and would be run and copied. It counts as an
+            # op issued (its decomposition may issue none: ``dropout`` in eval returns its input).
+            self.num_ops += 1
             with self:
-                return func.decompose(*args, **kwargs)
+                return func._op_dk(_COMPOSITE, *args, **kwargs)
         name = func._schema.name.split("::")[-1]
         mutating = func._schema.is_mutable
         inplace_view = torch.Tag.inplace_view in func.tags
-        with _disable_current_modes():
+        with torch._C._DisableTorchDispatch():  # no mode sees the checks (cheaper than popping)
             before = (
                 inplace_copies(func, args, kwargs, self.plan_cache)
                 if mutating and not inplace_view
@@ -160,7 +166,7 @@ class Recorder(TorchDispatchMode):
                 for t in mutated_arguments(func, args, kwargs)
                 if isinstance(t, torch.Tensor)
             )
-        with _disable_current_modes():
+        with torch._C._DisableTorchDispatch():  # no mode sees the checks (cheaper than popping)
             plan = self._plan(func, name, args, kwargs, tensors, outs, fresh, before, mutating)
         if plan is not None:
             constant_key = None
