@@ -6,7 +6,12 @@ Method (every figure the README quotes is taken this way):
   requests are prefilled in every runner, then single decode steps are timed *interleaved* —
   one step of each configuration per round, the starting configuration rotating — and the
   median per configuration is reported with ratios taken from those medians.
-- Capture: seconds per captured (mode, size), and bytes held by all captures of a runner.
+- Capture: seconds per captured (mode, size), and bytes held by all captures of a runner: the
+  backend's shared arena, plus what each tape segment retains (storages the program still holds)
+  and keeps as constants (``TapeSegment.memory``). Compared with the peak of an eager step of the
+  largest captured size: live bytes of every storage an op allocates during the step, sampled
+  after every op (``eager_step_peak_bytes``); storages made outside the step (weights, caches,
+  persistent buffers) are not counted, as captures do not hold them either.
 - Generation: greedy tokens per second of the engine (graphs captured beforehand) against
   ``transformers``' ``generate`` on the same weights and prompts, alternating rounds, medians.
 """
@@ -16,12 +21,15 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv4 import DeepseekV4ForCausalLM
 from dsv4.metadata import ScheduledChunk
+from graphs._tensor_refs import WeakStorage, storage_key, tensors_of
 from runners.base import ModelRunner
 from runners.engine import SamplingParams
 from runners.serving import EngineSpec, build_engine
@@ -32,7 +40,9 @@ __all__ = [
     "DecodeLatency",
     "GenerationThroughput",
     "capture_cost",
+    "captures_held_bytes",
     "decode_latency",
+    "eager_step_peak_bytes",
     "engine_throughput",
 ]
 
@@ -151,6 +161,69 @@ def capture_cost(runner: ModelRunner, held_bytes: Callable[[], int | None]) -> C
         total_seconds=time.perf_counter() - start,
         held_bytes=held_bytes(),
     )
+
+
+class _PeakLiveBytes(TorchDispatchMode):
+    """Live bytes of the storages ops allocate while active, and their peak after any op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, tuple[WeakStorage, int]] = {}
+        self.peak = 0
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # never under torch.compile; skipping would import dynamo (seconds)
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        result = func(*args, **(kwargs or {}))
+        self._live = {k: v for k, v in self._live.items() if not v[0].expired()}
+        for t in tensors_of(result):
+            key = storage_key(t)
+            if key not in self._live:
+                storage = t.untyped_storage()
+                self._live[key] = (WeakStorage(storage), storage.nbytes())
+        self.peak = max(self.peak, sum(nbytes for _, nbytes in self._live.values()))
+        return result
+
+
+def eager_step_peak_bytes(runner: ModelRunner, num_tokens: int) -> int:
+    """Peak live bytes allocated by one eager step of ``num_tokens`` prompt tokens on ``runner``
+    (whose graph mode should be ``NONE``), rows of at most one block table's reach each."""
+    per_row = min(num_tokens, runner.block_size * runner.max_blocks_per_row - 1)
+    chunks, ids = [], []
+    for row, start in enumerate(range(0, num_tokens, per_row)):
+        count = min(per_row, num_tokens - start)
+        blocks = tuple(
+            range(row * runner.max_blocks_per_row, (row + 1) * runner.max_blocks_per_row)
+        )
+        chunks.append(ScheduledChunk(row=row, block_ids=blocks, start_position=0, num_tokens=count))
+        ids.append([(3 * i + row) % runner.vocab_size for i in range(count)])
+    tracker = _PeakLiveBytes()
+    with tracker:
+        runner.execute(chunks, ids)
+    return tracker.peak
+
+
+def captures_held_bytes(runner: ModelRunner) -> int | None:
+    """Bytes held by every capture of ``runner``: its backend's arena plus what each segment
+    retains and keeps as constants; ``None`` where segments do not report memory (CUDA)."""
+    pool_bytes = getattr(runner.platform.memory_pool, "nbytes", None)
+    if pool_bytes is None:
+        return None
+    held = int(pool_bytes)
+    for graph in runner._graphs.values():
+        for segment in graph.capture.segments:
+            memory = getattr(segment, "memory", None)
+            if memory is not None:
+                held += memory.retained_bytes + memory.constant_bytes
+    return held
 
 
 def engine_throughput(

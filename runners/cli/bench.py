@@ -13,6 +13,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -71,7 +72,14 @@ def _validate(args: argparse.Namespace) -> None:
 def execute(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from runners.benchmark import capture_cost, decode_latency, decode_runners, engine_throughput
+    from runners.benchmark import (
+        capture_cost,
+        captures_held_bytes,
+        decode_latency,
+        decode_runners,
+        eager_step_peak_bytes,
+        engine_throughput,
+    )
     from runners.serving import EngineSpec, build_engine, build_model
 
     _validate(args)
@@ -85,14 +93,20 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
     progress.update("capturing every default size")
     torch.set_num_threads(1)
     default_engine = build_engine(EngineSpec(checkpoint=checkpoint))
-    pool = default_engine.runner.platform.memory_pool
-    cost = capture_cost(default_engine.runner, lambda: getattr(pool, "nbytes", None))
+    runner = default_engine.runner
+    cost = capture_cost(runner, functools.partial(captures_held_bytes, runner))
+    eager_runner = build_engine(EngineSpec(checkpoint=checkpoint, cudagraph_mode="NONE")).runner
+    peak = eager_step_peak_bytes(eager_runner, max(runner.capture_sizes.sizes))
     payload["capture"] = {
         "seconds_per_graph": [list(t) for t in cost.seconds_per_graph],
         "total_s": round(cost.total_seconds, 4),
         "held_bytes": cost.held_bytes,
+        "eager_step_peak_bytes": peak,
+        "held/eager_step_peak": None
+        if cost.held_bytes is None
+        else round(cost.held_bytes / peak, 3),
     }
-    del default_engine
+    del default_engine, runner, eager_runner
 
     progress.update("building runners")
     runners = decode_runners(spec, lambda: build_model(spec))
@@ -176,6 +190,8 @@ def render(payload: dict[str, Any]) -> str:
     lines.append(
         f"capture: {len(cap['seconds_per_graph'])} graphs in {cap['total_s']:.2f}s"
         + (f", {held / 2**20:.1f} MiB held by captures" if held is not None else "")
+        + f" ({cap['held/eager_step_peak']}x the {cap['eager_step_peak_bytes'] / 2**20:.1f} MiB"
+        " peak of an eager step of the largest size)"
     )
     gen = payload["generation"]
     tps = ", ".join(f"{k} {v:.1f}" for k, v in gen["tokens_per_s"].items())
