@@ -143,9 +143,9 @@ class DeepseekV4Attention(nn.Module):
         kv = self.kv_proj(hidden_states)
         out = hidden_states.new_empty(tokens, self.num_heads, self.head_dim)
         tables = self.rope.tables(positions, hidden_states.dtype)
-        heads = tables.last(self.head_dim).per_head()
+        heads = tables.per_head()
         attended = self._region(positions, hidden_states, q_residual, kv, out, tables, heads)
-        attended = self.rope.rotate(attended, heads, inverse=True)
+        attended = self.rope.rotate(attended, heads.last(self.head_dim), inverse=True)
         grouped = self.o_a_proj(attended.reshape(tokens, self.o_groups, -1)).flatten(1)
         return self.o_b_proj(grouped)
 
@@ -166,7 +166,7 @@ class DeepseekV4Attention(nn.Module):
     ) -> _Prepared:
         metadata, cache = _metadata(), self._cache_or_raise()
         q = self.q_b_proj(q_residual).unflatten(-1, (self.num_heads, self.head_dim))
-        q = self.rope.rotate(rms_normalize(q, self.eps), heads)
+        q = self.rope.rotate(rms_normalize(q, self.eps), heads.last(self.head_dim))
         write = sink_rows(metadata.slot_mapping, cache.kv)
         write_rows(cache.kv, write, self.rope.rotate(self.kv_norm(kv), tables.last(self.head_dim)))
         block_size, query_positions = metadata.block_size, positions.unsqueeze(-1)
@@ -199,7 +199,7 @@ class DeepseekV4Attention(nn.Module):
             # same rate and overlap as the compressor: the same windows and entries
             indexer.update(hidden_states, write, plan, cache.indexer, self.rope, entry_tables)
             index_queries, index_weights = indexer.queries(
-                hidden_states, q_residual, tables.per_head(), self.rope
+                hidden_states, q_residual, heads, self.rope
             )
         capacity = entry_capacity(metadata, rate)
         if capacity == 0:

@@ -7,7 +7,8 @@ the RMS-normalised, flattened streams; ``comb`` is pushed towards a doubly-stoch
 computes the mixing weights runs in fp32 with fp32 parameters, as in the reference.
 
 Op economy (a step costs per op, eagerly and on the CPU tape): the three scale/bias pairs are
-applied to all ``(2 + n) * n`` mixing logits at once; every Sinkhorn half-step is two ops,
+applied to all ``(2 + n) * n`` mixing logits at once, which one ``split`` then cuts into the
+three parts; every Sinkhorn half-step is two ops,
 ``x /= baddbmm(eps, ones, x)`` (the sums plus ``eps`` in one batched product). Products and sums
 keep the reference's rounding steps (no fused multiply-adds), so bf16 models still round where
 the reference rounds.
@@ -51,20 +52,22 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``streams [T, n, hidden]`` -> ``post [T, n]``, ``comb [T, n, n]``, block input."""
-        n, tokens = self.hc_mult, streams.shape[0]
+        n, tokens, eps = self.hc_mult, streams.shape[0], self.eps
         x = as_dtype(streams, torch.float32)
         flat = F.rms_norm(x.flatten(1), (x.shape[1] * x.shape[2],), eps=self.norm_eps)
-        logits = F.linear(flat, self.fn) * self.scale[self.scale_index] + self.base
-        gates = torch.sigmoid(logits[:, : 2 * n])
-        pre = gates[:, :n] + self.eps
-        post = gates[:, n:] * 2
-        comb = torch.softmax(logits[:, 2 * n :].view(tokens, n, n), dim=-1) + self.eps
+        scale = self.scale.index_select(0, self.scale_index)
+        logits = F.linear(flat, self.fn) * scale + self.base
+        pre, post, comb = logits.split((n, n, n * n), dim=1)
+        pre = torch.sigmoid(pre) + eps
+        post = torch.sigmoid(post) * 2
+        comb = torch.softmax(comb.view(tokens, n, n), dim=-1) + eps
+        eps_tensor = self.eps_tensor
         ones_row = self.ones.expand(tokens, 1, n)
         ones_col = ones_row.transpose(1, 2)
-        comb.div_(torch.baddbmm(self.eps_tensor, ones_row, comb))
+        comb.div_(torch.baddbmm(eps_tensor, ones_row, comb))
         for _ in range(self.sinkhorn_iters - 1):
-            comb.div_(torch.baddbmm(self.eps_tensor, comb, ones_col))
-            comb.div_(torch.baddbmm(self.eps_tensor, ones_row, comb))
+            comb.div_(torch.baddbmm(eps_tensor, comb, ones_col))
+            comb.div_(torch.baddbmm(eps_tensor, ones_row, comb))
         collapsed = as_dtype(torch.einsum("tn,tnh->th", pre, x), streams.dtype)
         return post, comb, collapsed
 

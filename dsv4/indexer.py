@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsv4.layers import as_dtype
 from dsv4.pooling import WindowPooler
 from dsv4.rope import RotaryEmbedding, RotaryTables
 
@@ -63,7 +64,8 @@ class Indexer(WindowPooler):
         and fp32 head weights ``[T, n_I]``."""
         q = self.q_b_proj(q_residual).unflatten(-1, (self.num_heads, self.dim))
         q = rope.rotate(q, heads.last(self.dim))
-        weights = self.scorer.weights_proj(hidden_states).float() * self.num_heads**-0.5
+        weights = as_dtype(self.scorer.weights_proj(hidden_states), torch.float32)
+        weights = weights * self.num_heads**-0.5
         return q, weights
 
     def select(
@@ -75,7 +77,8 @@ class Indexer(WindowPooler):
     ) -> torch.Tensor:
         """Selected entry indices ``[T, k]`` among the ``keys`` ``[T, capacity, c_I]`` of every
         entry of each token's request, of which ``visible`` ``[T, capacity]`` are complete."""
-        scores = torch.einsum("thd,tsd->ths", queries.float(), keys.float()).relu_()
-        scores = (scores * self.dim**-0.5 * weights.unsqueeze(-1)).sum(dim=1)
-        scores = scores.masked_fill(~visible, float("-inf"))
+        fp32 = torch.float32
+        scores = torch.einsum("thd,tsd->ths", as_dtype(queries, fp32), as_dtype(keys, fp32))
+        scores = (scores.relu_() * self.dim**-0.5 * weights.unsqueeze(-1)).sum(dim=1)
+        scores = torch.where(visible, scores, float("-inf"))
         return scores.topk(min(self.topk, keys.shape[1]), dim=-1).indices
