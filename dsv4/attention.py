@@ -206,7 +206,7 @@ class DeepseekV4Attention(nn.Module):
             return prepared
         ends = entry_ends(capacity, rate, positions.device)
         entries = _Entries(
-            slots=token_slots(blocks, ends.expand(positions.shape[0], -1), block_size),
+            slots=token_slots(blocks, ends, block_size),
             visible=ends <= query_positions,
             index_queries=index_queries,
             index_weights=index_weights,

@@ -51,7 +51,7 @@ class HyperConnection(nn.Module):
         self.register_buffer("eps_tensor", torch.tensor(eps), persistent=False)
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``streams [T, n, hidden]`` -> ``post [T, n]``, ``comb [T, n, n]``, block input."""
+        """``streams [T, n, hidden]`` -> ``post [T, n]``, ``comb^T [T, n, n]``, block input."""
         n, tokens, eps = self.hc_mult, streams.shape[0], self.eps
         x = as_dtype(streams, torch.float32)
         flat = F.rms_norm(x.flatten(1), (x.shape[1] * x.shape[2],), eps=self.norm_eps)
@@ -61,23 +61,23 @@ class HyperConnection(nn.Module):
         pre = torch.sigmoid(pre) + eps
         post = torch.sigmoid(post) * 2
         comb = torch.softmax(comb.view(tokens, n, n), dim=-1) + eps
-        eps_tensor = self.eps_tensor
-        ones_row = self.ones.expand(tokens, 1, n)
-        ones_col = ones_row.transpose(1, 2)
-        comb.div_(torch.baddbmm(eps_tensor, ones_row, comb))
+        # column sums of comb and of its transpose (= row sums of comb) are both ones @ matrix
+        eps_tensor, ones = self.eps_tensor, self.ones.expand(tokens, 1, n)
+        comb_t = comb.transpose(1, 2)
+        comb.div_(torch.baddbmm(eps_tensor, ones, comb))
         for _ in range(self.sinkhorn_iters - 1):
-            comb.div_(torch.baddbmm(eps_tensor, comb, ones_col))
-            comb.div_(torch.baddbmm(eps_tensor, ones_row, comb))
+            comb_t.div_(torch.baddbmm(eps_tensor, ones, comb_t))
+            comb.div_(torch.baddbmm(eps_tensor, ones, comb))
         collapsed = as_dtype(torch.einsum("tn,tnh->th", pre, x), streams.dtype)
-        return post, comb, collapsed
+        return post, comb_t, collapsed
 
 
 def mix(
-    streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, output: torch.Tensor
+    streams: torch.Tensor, post: torch.Tensor, comb_t: torch.Tensor, output: torch.Tensor
 ) -> torch.Tensor:
     """New streams: ``post * output`` spread over the copies plus ``comb^T @ streams``."""
     dtype = streams.dtype
-    carried = torch.einsum("tij,tih->tjh", as_dtype(comb, dtype), streams)
+    carried = torch.bmm(as_dtype(comb_t, dtype), streams)
     return as_dtype(post, dtype).unsqueeze(-1) * output.unsqueeze(-2) + carried
 
 

@@ -67,13 +67,13 @@ class DecoderLayer(nn.Module):
     def forward(
         self, streams: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor
     ) -> torch.Tensor:
-        post, comb, collapsed = self.attn_hc(streams)
+        post, comb_t, collapsed = self.attn_hc(streams)
         streams = mix(
-            streams, post, comb, self.self_attn(positions, self.input_layernorm(collapsed))
+            streams, post, comb_t, self.self_attn(positions, self.input_layernorm(collapsed))
         )
-        post, comb, collapsed = self.ffn_hc(streams)
+        post, comb_t, collapsed = self.ffn_hc(streams)
         return mix(
-            streams, post, comb, self.mlp(self.post_attention_layernorm(collapsed), input_ids)
+            streams, post, comb_t, self.mlp(self.post_attention_layernorm(collapsed), input_ids)
         )
 
 

@@ -29,8 +29,10 @@ def request_blocks(metadata: AttentionMetadata) -> torch.Tensor:
 
 
 def token_slots(blocks: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Cache slots ``[T, K]`` of ``positions`` ``[T, K]`` (each ``>= 0``) of every token's
-    request, given its ``request_blocks``."""
+    """Cache slots ``[T, K]`` of ``positions`` (each ``>= 0``) of every token's request, given
+    its ``request_blocks``: per token ``[T, K]``, or the same ``[K]`` for every token."""
+    if positions.dim() == 1:
+        return blocks.index_select(1, positions // block_size) + positions % block_size
     return blocks.gather(1, positions // block_size) + positions % block_size
 
 
