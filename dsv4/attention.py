@@ -142,9 +142,12 @@ class DeepseekV4Attention(nn.Module):
         q_residual = self.q_a_norm(self.q_a_proj(hidden_states))
         kv = self.kv_proj(hidden_states)
         out = hidden_states.new_empty(tokens, self.num_heads, self.head_dim)
-        tables = self.rope.tables(positions, hidden_states.dtype)
+        query_positions = positions.unsqueeze(-1)
+        tables = self.rope.tables(query_positions, hidden_states.dtype)
         heads = tables.per_head()
-        attended = self._region(positions, hidden_states, q_residual, kv, out, tables, heads)
+        attended = self._region(
+            positions, query_positions, hidden_states, q_residual, kv, out, tables, heads
+        )
         attended = self.rope.rotate(attended, heads.last(self.head_dim), inverse=True)
         grouped = self.o_a_proj(attended.reshape(tokens, self.o_groups, -1)).flatten(1)
         return self.o_b_proj(grouped)
@@ -157,6 +160,7 @@ class DeepseekV4Attention(nn.Module):
     def _prepare(
         self,
         positions: torch.Tensor,
+        query_positions: torch.Tensor,
         hidden_states: torch.Tensor,
         q_residual: torch.Tensor,
         kv: torch.Tensor,
@@ -169,7 +173,7 @@ class DeepseekV4Attention(nn.Module):
         q = self.rope.rotate(rms_normalize(q, self.eps), heads.last(self.head_dim))
         write = sink_rows(metadata.slot_mapping, cache.kv)
         write_rows(cache.kv, write, self.rope.rotate(self.kv_norm(kv), tables.last(self.head_dim)))
-        block_size, query_positions = metadata.block_size, positions.unsqueeze(-1)
+        block_size = metadata.block_size
         blocks = request_blocks(metadata)
         compressor = self.compressor
         span = compressor.span if compressor is not None else 0
@@ -191,7 +195,7 @@ class DeepseekV4Attention(nn.Module):
             cache.kv.shape[0] - 1,
             overlap=compressor.overlap,
         )
-        entry_tables = self.rope.tables(plan.entry_positions, hidden_states.dtype)
+        entry_tables = self.rope.tables(plan.entry_positions.unsqueeze(-1), hidden_states.dtype)
         compressor.update(hidden_states, write, plan, cache.compressor, self.rope, entry_tables)
         index_queries = index_weights = None
         indexer = compressor.indexer

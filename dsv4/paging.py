@@ -61,8 +61,9 @@ class Window:
 
 
 def sink_rows(slots: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """The cache rows ``slots`` write to: the slot itself, or the sink row for slot -1."""
-    return torch.where(slots >= 0, slots, cache.shape[0] - 1)
+    """The cache rows ``slots`` write to: the slot itself, or the sink row for slot -1 (the
+    last row: ``-1`` modulo the row count, as ``remainder`` takes the divisor's sign)."""
+    return slots % cache.shape[0]
 
 
 def write_rows(cache: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:

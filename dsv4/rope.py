@@ -125,10 +125,10 @@ class RotaryEmbedding(nn.Module):
         return rows
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryTables:
-        """``[T, width]`` rows at ``positions`` for the widest vector served; cos/sin rounded
-        to ``dtype`` first, as the reference rounds them to its input's dtype."""
+        """``[T, width]`` rows at ``positions`` ``[T, 1]`` for the widest vector served; cos/sin
+        rounded to ``dtype`` first, as the reference rounds them to its input's dtype."""
         rows = self._rows(self.width)
-        angles = positions.unsqueeze(-1) * rows.frequencies  # int64 * fp32 computes in fp32
+        angles = positions * rows.frequencies  # int64 * fp32 computes in fp32
         cos, sin = angles.cos(), angles.sin()
         if rows.scaled:
             cos, sin = cos * rows.scale, sin * rows.scale
