@@ -109,7 +109,7 @@ def map_leaves(fn: Callable[[Any], Any], value: Any, kind: type) -> Any:
     if isinstance(value, kind):
         return fn(value)
     if isinstance(value, (list, tuple)):
-        return type(value)(map_leaves(fn, v, kind) for v in value)
+        return type(value)([map_leaves(fn, v, kind) for v in value])
     if isinstance(value, dict):
         return {k: map_leaves(fn, v, kind) for k, v in value.items()}
     return value
@@ -117,10 +117,21 @@ def map_leaves(fn: Callable[[Any], Any], value: Any, kind: type) -> Any:
 
 def tensors_of(value: Any) -> list[torch.Tensor]:
     """Every tensor in ``value`` (a tensor, or lists, tuples and dict values of them), in order."""
+    found: list[torch.Tensor] = []
+    _collect(value, found)
+    return found
+
+
+def _collect(value: Any, found: list[torch.Tensor]) -> None:
+    # One shared accumulator: called once per op argument, so no per-level list building.
     if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in tensors_of(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in tensors_of(v)]
-    return []
+        found.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            if isinstance(v, torch.Tensor):
+                found.append(v)
+            elif isinstance(v, (list, tuple, dict)):
+                _collect(v, found)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _collect(v, found)

@@ -70,24 +70,25 @@ def plan_offsets(blocks: Sequence[Lifetime]) -> tuple[dict[int, int], int]:
     Greedy: largest blocks first, each at the lowest aligned offset that fits between blocks
     already placed whose lifetimes intersect its own. Returns (offset by key, total bytes).
     """
-    placed: list[tuple[int, int, Lifetime]] = []  # (offset, size, block)
+    # Placed blocks as (first, last, start, end) tuples: plain ints, no attribute lookups, so
+    # the all-pairs lifetime filter stays cheap (same placement as comparing attrs values).
+    placed: list[tuple[int, int, int, int]] = []
     offsets: dict[int, int] = {}
     total = 0
     for block in sorted(blocks, key=lambda b: (-b.nbytes, b.first, b.key)):
         size = _aligned(block.nbytes)
-        busy = sorted(
-            (offset, offset + width)
-            for offset, width, other in placed
-            if other.first <= block.last and block.first <= other.last
-        )
+        first, last = block.first, block.last
+        busy = sorted([(start, end) for lo, hi, start, end in placed if lo <= last and first <= hi])
         offset = 0
         for start, end in busy:
             if offset + size <= start:
                 break
-            offset = max(offset, end)
-        placed.append((offset, size, block))
+            if end > offset:
+                offset = end
+        placed.append((first, last, offset, offset + size))
         offsets[block.key] = offset
-        total = max(total, offset + size)
+        if offset + size > total:
+            total = offset + size
     return offsets, total
 
 
