@@ -92,19 +92,43 @@ class AuditReport:
         return "\n".join(lines)
 
 
+_Slot = tuple[int, str, bool, str]
+"""A schema argument as ``_accessed`` walks it: (position, name, keyword-only, access)."""
+
+_slots: dict[torch._ops.OpOverload, tuple[_Slot, ...]] = {}
+_touching: dict[torch._ops.OpOverload, bool] = {}
+
+
+def _schema_slots(func: torch._ops.OpOverload) -> tuple[_Slot, ...]:
+    # Cached per overload: the schema walk costs more than the op on small tensors.
+    slots = _slots.get(func)
+    if slots is None:
+        slots = tuple(
+            (
+                position,
+                argument.name,
+                argument.kwarg_only,
+                "writes"
+                if argument.alias_info is not None and argument.alias_info.is_write
+                else "reads",
+            )
+            for position, argument in enumerate(func._schema.arguments)
+        )
+        _slots[func] = slots
+    return slots
+
+
 def _accessed(
     func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Iterator[tuple[torch.Tensor, str]]:
     """Each tensor argument of ``func`` with ``"reads"`` or ``"writes"`` per its schema."""
-    for position, argument in enumerate(func._schema.arguments):
-        if argument.name in kwargs:
-            value = kwargs[argument.name]
-        elif position < len(args) and not argument.kwarg_only:
+    for position, name, kwarg_only, access in _schema_slots(func):
+        if name in kwargs:
+            value = kwargs[name]
+        elif position < len(args) and not kwarg_only:
             value = args[position]
         else:
             continue
-        info = argument.alias_info
-        access = "writes" if info is not None and info.is_write else "reads"
         values = value if isinstance(value, (list, tuple)) else (value,)
         for v in values:
             if isinstance(v, torch.Tensor):
@@ -112,13 +136,16 @@ def _accessed(
 
 
 def _touches_data(func: torch._ops.OpOverload) -> bool:
-    name = func._schema.name.split("::")[-1]
-    return not (
-        name in _METADATA_ONLY
-        or name.startswith(_METADATA_ONLY_PREFIXES)
-        or name.endswith(_METADATA_ONLY_SUFFIXES)
-        or torch.Tag.inplace_view in func.tags
-    )
+    touches = _touching.get(func)
+    if touches is None:
+        name = func._schema.name.split("::")[-1]
+        touches = _touching[func] = not (
+            name in _METADATA_ONLY
+            or name.startswith(_METADATA_ONLY_PREFIXES)
+            or name.endswith(_METADATA_ONLY_SUFFIXES)
+            or torch.Tag.inplace_view in func.tags
+        )
+    return touches
 
 
 class CaptureAudit(TorchDispatchMode):

@@ -99,11 +99,24 @@ def _reason(
     return None
 
 
+_BY_ARGUMENTS = _INDEXING | _DROPOUTS | {"repeat_interleave", "one_hot", "where"}
+"""Ops whose legality depends on their arguments; every other op's is decided by its overload
+alone and cached (``_static_reasons``), since capture checks each of ~1000 ops per graph."""
+
+_static_reasons: dict[torch._ops.OpOverload, str | None] = {}
+
+
 def check_capturable(
     func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> None:
     """Raise ``CaptureError`` naming ``func`` and the user's line if it cannot be captured."""
-    reason = _reason(func, args, kwargs)
+    try:
+        reason = _static_reasons[func]
+    except KeyError:
+        if _name(func) in _BY_ARGUMENTS:
+            reason = _reason(func, args, kwargs)
+        else:
+            reason = _static_reasons[func] = _reason(func, (), {})
     if reason is not None:
         raise CaptureError(
             f"{func} cannot be captured: {reason}; at {user_location()}. "
