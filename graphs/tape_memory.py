@@ -22,6 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 import attrs
@@ -64,28 +65,48 @@ def _aligned(n: int) -> int:
     return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
 
+_SHORT = 64
+"""Lifetimes spanning at most this many ops are indexed by first op; longer ones are few."""
+
+
 def plan_offsets(blocks: Sequence[Lifetime]) -> tuple[dict[int, int], int]:
     """Byte offsets for ``blocks`` such that blocks with overlapping lifetimes never overlap.
 
     Greedy: largest blocks first, each at the lowest aligned offset that fits between blocks
     already placed whose lifetimes intersect its own. Returns (offset by key, total bytes).
+
+    Finding those blocks is what costs: placed short lifetimes are kept sorted by first op, so
+    only those starting within ``_SHORT`` ops before the block's first op up to its last are
+    scanned; the few long ones are all scanned. The placement is the all-pairs one.
     """
-    # Placed blocks as (first, last, start, end) tuples: plain ints, no attribute lookups, so
-    # the all-pairs lifetime filter stays cheap (same placement as comparing attrs values).
-    placed: list[tuple[int, int, int, int]] = []
+    firsts: list[int] = []  # sorted first ops of placed short blocks
+    short: list[tuple[int, int, int, int]] = []  # (first, last, start, end), same order
+    long: list[tuple[int, int, int, int]] = []
     offsets: dict[int, int] = {}
     total = 0
     for block in sorted(blocks, key=lambda b: (-b.nbytes, b.first, b.key)):
         size = _aligned(block.nbytes)
         first, last = block.first, block.last
-        busy = sorted([(start, end) for lo, hi, start, end in placed if lo <= last and first <= hi])
+        window = short[
+            bisect.bisect_left(firsts, first - _SHORT) : bisect.bisect_right(firsts, last)
+        ]
+        busy = sorted(
+            [(start, end) for lo, hi, start, end in window if first <= hi]
+            + [(start, end) for lo, hi, start, end in long if lo <= last and first <= hi]
+        )
         offset = 0
         for start, end in busy:
             if offset + size <= start:
                 break
             if end > offset:
                 offset = end
-        placed.append((first, last, offset, offset + size))
+        entry = (first, last, offset, offset + size)
+        if last - first <= _SHORT:
+            at = bisect.bisect_right(firsts, first)
+            firsts.insert(at, first)
+            short.insert(at, entry)
+        else:
+            long.append(entry)
         offsets[block.key] = offset
         if offset + size > total:
             total = offset + size
