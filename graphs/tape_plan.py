@@ -109,9 +109,9 @@ def _meta(value: Any) -> Any:
             value.storage_offset(),
         )
     if isinstance(value, (list, tuple)):
-        return tuple(_meta(v) for v in value)
+        return tuple([_meta(v) for v in value])
     if isinstance(value, dict):
-        return tuple((k, _meta(v)) for k, v in sorted(value.items()))
+        return tuple([(k, _meta(v)) for k, v in sorted(value.items())])
     return (type(value), value)
 
 

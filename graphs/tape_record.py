@@ -67,6 +67,14 @@ def _runs_decomposed(func: torch._ops.OpOverload, device_type: str) -> bool:
     )
 
 
+@functools.cache
+def _traits(func: torch._ops.OpOverload) -> tuple[str, bool, bool]:
+    """``func``'s short name, whether it mutates, and whether it is an in-place view op: read
+    once per overload (schema and tag lookups cost more than many of the ops recorded)."""
+    name = func._schema.name.split("::")[-1]
+    return name, func._schema.is_mutable, torch.Tag.inplace_view in func.tags
+
+
 def _is_factory(name: str, tensors: list[torch.Tensor]) -> bool:
     """Outputs independent of any tensor's data: no tensor inputs, or ``*_like`` / ``new_*``."""
     return not tensors or name.startswith(_FACTORY_PREFIXES) or name.endswith(_FACTORY_SUFFIXES)
@@ -138,9 +146,7 @@ class Recorder(TorchDispatchMode):
             self.num_ops += 1
             with self:
                 return func._op_dk(_COMPOSITE, *args, **kwargs)
-        name = func._schema.name.split("::")[-1]
-        mutating = func._schema.is_mutable
-        inplace_view = torch.Tag.inplace_view in func.tags
+        name, mutating, inplace_view = _traits(func)
         with torch._C._DisableTorchDispatch():  # no mode sees the checks (cheaper than popping)
             before = (
                 inplace_copies(func, args, kwargs, self.plan_cache)
