@@ -109,9 +109,18 @@ def map_leaves(fn: Callable[[Any], Any], value: Any, kind: type) -> Any:
     if isinstance(value, kind):
         return fn(value)
     if isinstance(value, (list, tuple)):
-        return type(value)([map_leaves(fn, v, kind) for v in value])
+        return type(value)([_map_item(fn, v, kind) for v in value])
     if isinstance(value, dict):
-        return {k: map_leaves(fn, v, kind) for k, v in value.items()}
+        return {k: _map_item(fn, v, kind) for k, v in value.items()}
+    return value
+
+
+def _map_item(fn: Callable[[Any], Any], value: Any, kind: type) -> Any:
+    # Leaves are decided here without a call: ops' arguments are mostly flat.
+    if isinstance(value, kind):
+        return fn(value)
+    if isinstance(value, (list, tuple, dict)):
+        return map_leaves(fn, value, kind)
     return value
 
 

@@ -14,6 +14,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -27,12 +28,17 @@ __all__ = ["AllocationSites", "AllocationTracker", "new_allocations"]
 _LITERALS = frozenset({"lift_fresh", "lift", "lift_fresh_copy"})
 
 
+@functools.cache
+def _is_literal(func: torch._ops.OpOverload) -> bool:
+    return func._schema.name.split("::")[-1] in _LITERALS
+
+
 def new_allocations(
     func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any
 ) -> list[torch.Tensor]:
     """The outputs of ``func`` whose storage no input shares (literals count as new)."""
     outs = tensors_of(result)
-    if func._schema.name.split("::")[-1] in _LITERALS:
+    if _is_literal(func):
         return outs
     inputs = {storage_key(t) for t in tensors_of((args, kwargs))}
     return [o for o in outs if storage_key(o) not in inputs]
