@@ -86,9 +86,11 @@ def _scratch_like(t: torch.Tensor) -> torch.Tensor:
 
 def _dense(t: torch.Tensor) -> bool:
     """True when ``t``'s elements fill a block of memory exactly once (any dimension order)."""
+    if t.is_contiguous() and t.numel() > 0:
+        return True  # the common case, decided in C++ (an empty tensor takes the walk below)
     expected = 1
     for stride, size in sorted(
-        (st, sz) for st, sz in zip(t.stride(), t.size(), strict=True) if sz != 1
+        [(st, sz) for st, sz in zip(t.stride(), t.size(), strict=True) if sz != 1]
     ):
         if stride != expected:
             return False
