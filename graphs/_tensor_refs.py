@@ -66,10 +66,11 @@ class TensorRef:
 
     __slots__ = ("dtype", "key", "offset", "size", "stride", "strong", "weak")
 
-    def __init__(self, t: torch.Tensor, *, weak: bool) -> None:
+    def __init__(self, t: torch.Tensor, *, weak: bool, key: int) -> None:
+        """``key`` is ``storage_key(t)``, which the caller has already computed."""
         self.strong: torch.Tensor | None = None if weak else t
         self.weak: weakref.ref[torch.Tensor] | None = weakref.ref(t) if weak else None
-        self.key = storage_key(t)
+        self.key = key
         self.size = tuple(t.size())
         self.stride = tuple(t.stride())
         self.offset = int(t.storage_offset())

@@ -217,9 +217,10 @@ class Recorder(TorchDispatchMode):
             self.storages[key] = StorageInfo(t.untyped_storage(), index)
 
     def _ref(self, x: torch.Tensor, index: int) -> TensorRef:
-        info = self.storages.get(storage_key(x))
+        key = storage_key(x)
+        info = self.storages.get(key)
         if info is None:
-            return TensorRef(x, weak=False)
+            return TensorRef(x, weak=False, key=key)
         info.last = index
         info.nbytes = max(info.nbytes, x.untyped_storage().nbytes())
-        return TensorRef(x, weak=True)
+        return TensorRef(x, weak=True, key=key)
