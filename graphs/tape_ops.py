@@ -9,6 +9,11 @@ calls the steps in order and does nothing else. Plans, fastest first:
 - ``Fill`` / ``Const``: a factory or literal re-filled in place with its captured value.
 - ``CallOut``: the op's ``out=`` form writing straight into the captured outputs.
 - ``Call``: an in-place or user ``out=`` op re-run as recorded.
+
+``CallOut`` and ``Call`` may pass one Python-number operand of an arithmetic op as a 0-dim tensor
+of the dtype the op computes in (``number_operand``): ATen converts a number operand to that
+dtype on every call (a ``_to_copy`` costing more than the arithmetic at decode sizes); the
+kernel then sees the same CPU-scalar operand with the same value, so the result is the same.
 - ``CallCopy``: the fallback: run the op, copy its fresh outputs into place.
 """
 
@@ -52,28 +57,48 @@ def flat_tensors(args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tens
 # to the tensor replay must use, and returns the replay step (``None``: nothing to replay).
 
 
+def number_as_tensor(args: Sequence[Any], index: int, dtype: torch.dtype) -> list[Any]:
+    """``args`` with the Python number at ``index`` as a 0-dim CPU tensor of ``dtype`` (ATen
+    treats a 0-dim CPU tensor operand as a CPU scalar, on every device)."""
+    converted = list(args)
+    converted[index] = torch.tensor(args[index], dtype=dtype)
+    return converted
+
+
 @attrs.frozen
 class Call:
-    """Re-run ``fn(*args, **kwargs)`` as recorded (in-place and user ``out=`` ops)."""
+    """Re-run ``fn(*args, **kwargs)`` as recorded (in-place and user ``out=`` ops).
+
+    ``number_operand``: index of a number argument passed as a 0-dim tensor of the dtype of the
+    tensor the op writes (``args[0]``)."""
 
     fn: Callable[..., Any]
+    number_operand: int | None = None
 
     def build(
         self, args: Sequence[Any], kwargs: dict[str, Any], outs: Sequence[torch.Tensor]
     ) -> Step:
+        if self.number_operand is not None:
+            args = number_as_tensor(args, self.number_operand, args[0].dtype)
         return functools.partial(self.fn, *args, **kwargs)
 
 
 @attrs.frozen
 class CallOut:
-    """Call an ``out=`` form: ``out_names`` ``None`` means the public ``out=`` keyword."""
+    """Call an ``out=`` form: ``out_names`` ``None`` means the public ``out=`` keyword.
+
+    ``number_operand``: index of a number argument passed as a 0-dim tensor of the output's
+    dtype."""
 
     fn: Callable[..., Any]
     out_names: tuple[str, ...] | None
+    number_operand: int | None = None
 
     def build(
         self, args: Sequence[Any], kwargs: dict[str, Any], outs: Sequence[torch.Tensor]
     ) -> Step:
+        if self.number_operand is not None:
+            args = number_as_tensor(args, self.number_operand, outs[0].dtype)
         return functools.partial(self.fn, *args, **kwargs, **self._out_kwargs(outs))
 
     def _out_kwargs(self, outs: Sequence[torch.Tensor]) -> dict[str, Any]:

@@ -11,6 +11,10 @@ While recording, each op gets a plan (``graphs.tape_ops``). The candidates, fast
   ``pow``, ``le``, ``where``, ``softmax.int``, ``index``).
 - ``Call``: in-place and user ``out=`` ops re-run as recorded (the public ``Tensor`` method when
   it was checked to match, the operator otherwise).
+
+Arithmetic with a Python-number operand (``x * 2``, ``x.add_(eps)``) first tries the public form
+with the number passed as a 0-dim tensor of the dtype the op computes in (``number_operand``),
+for dtypes that compute in their own precision (see ``_number_operand``).
 - ``CallCopy``: the fallback for everything else: run the op, copy its fresh outputs into place.
 
 Invariant: a candidate is used only if it computes the same function as the op by construction
@@ -27,6 +31,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
 import torch
 from torch._library._out_variant import get_out_arg_names, to_out_variant
 
@@ -58,6 +63,11 @@ _PUBLIC_NAMESPACES: tuple[Any, ...] = (
     torch,
     *(getattr(torch._C, name) for name in ("_nn", "_linalg", "_special", "_fft")),
 )
+_NUMBER_OPERAND_OPS = frozenset({"add", "sub", "mul", "div", "add_", "sub_", "mul_", "div_"})
+_OWN_PRECISION = frozenset({torch.float32, torch.float64, torch.int32, torch.int64})
+"""Dtypes binary arithmetic computes in (its ``opmath`` type is the dtype itself): ATen
+converts a number operand to exactly this dtype, so a 0-dim tensor of it is the same operand.
+(Reduced floats compute in fp32 and read the number unrounded, so they are left out.)"""
 _VALIDATE_INPLACE_MAX_BYTES = 16 << 20
 """In-place ops mutating more than this are replayed through the operator without trying the
 faster ``Tensor`` method, because checking the method needs a copy of every mutated tensor."""
@@ -99,6 +109,24 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 # -- choosing a plan ----------------------------------------------------------------------------
+
+
+def _number_operand(
+    name: str, args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype
+) -> int | None:
+    """Index of a Python-number operand of ``add``/``sub``/``mul``/``div`` (or their in-place
+    forms) that ATen would convert to ``dtype`` on every call, where ``dtype`` is both the tensor
+    operand's and the result's and computes in its own precision; else ``None``."""
+    if name not in _NUMBER_OPERAND_OPS or "rounding_mode" in kwargs or len(args) < 2:
+        return None
+    tensor, number = args[0], args[1]
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype:
+        return None
+    if dtype not in _OWN_PRECISION or isinstance(number, bool):
+        return None
+    if (isinstance(number, float) and dtype.is_floating_point) or isinstance(number, int):
+        return 1
+    return None
 
 
 def _meta(value: Any) -> Any:
@@ -177,12 +205,12 @@ def _public_function(name: str) -> Callable[..., Any] | None:
 
 
 @functools.cache
-def _out_candidates(func: torch._ops.OpOverload) -> tuple[Plan, ...]:
+def _out_candidates(func: torch._ops.OpOverload) -> tuple[CallOut, ...]:
     """The ``out=`` forms of ``func``: the public function of its name, then its out overload.
 
     Cached per operator: it depends on nothing else, and ``to_out_variant`` scans overloads."""
     name = func._schema.name.split("::")[-1]
-    candidates: list[Plan] = []
+    candidates: list[CallOut] = []
     public = _public_function(name)
     if public is not None:
         candidates.append(CallOut(public, None))
@@ -213,7 +241,11 @@ def plan_functional(
     copy_like = name in _COPY_LIKE and len(outs) == 1 and len(sources) == 1
     if copy_like and sources[0].numel() == outs[0].numel():
         candidates.append(CopyFrom(0))
-    candidates.extend(_out_candidates(func))
+    out_candidates = _out_candidates(func)
+    number = _number_operand(name, args, kwargs, outs[0].dtype)
+    if number is not None:
+        candidates.extend(attrs.evolve(c, number_operand=number) for c in out_candidates)
+    candidates.extend(out_candidates)
     key = signature(func, args, kwargs, outs)
     winner = _first_reproducing(candidates, args, kwargs, outs, key, cache)
     return candidates[winner] if winner < len(candidates) else fallback
@@ -255,33 +287,41 @@ def plan_mutating(
 
     ``before`` maps ``id`` of each mutated argument to a copy taken before the op ran (empty
     when the mutated tensors were too large to copy, or when ``cache`` already knows the op's
-    signature — see ``inplace_copies``); with it the public ``Tensor`` method is checked
-    against the op on the copies.
+    signature — see ``inplace_copies``); with it the public ``Tensor`` method (first with a
+    number operand as a tensor, where eligible) is checked against the op on the copies.
     """
     op = _op_callable(func)
     if fresh:
         return CallCopy(op, fresh)
     name = func._schema.name.split("::")[-1]
     method = getattr(torch.Tensor, name, None) if name.endswith("_") else None
+    candidates: list[Call] = []
+    if method is not None:
+        written = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        number = None if written is None else _number_operand(name, args, kwargs, written.dtype)
+        if number is not None:
+            candidates.append(Call(method, number))
+        candidates.append(Call(method))
     key = signature(func, args, kwargs)
-    if method is not None and key is not None and key in cache:
-        return Call(method) if cache[key] == 0 else Call(op)
-    if method is None or not before:
+    if key is not None and key in cache:
+        winner = cache[key]
+    elif not candidates or not before:
         return Call(op)
-    matches = _method_matches(method, args, kwargs, before)
-    if key is not None:
-        cache[key] = 0 if matches else 1
-    return Call(method) if matches else Call(op)
+    else:
+        winner = next(
+            (i for i, c in enumerate(candidates) if _call_matches(c, args, kwargs, before)),
+            len(candidates),
+        )
+        if key is not None:
+            cache[key] = winner
+    return candidates[winner] if winner < len(candidates) else Call(op)
 
 
-def _method_matches(
-    method: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    before: dict[int, torch.Tensor],
+def _call_matches(
+    plan: Call, args: tuple[Any, ...], kwargs: dict[str, Any], before: dict[int, torch.Tensor]
 ) -> bool:
-    """True when ``method`` on the pre-op copies ends with the same bits as the op did."""
-    swapped_args = [before.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in args]
+    """True when ``plan`` run on the pre-op copies ends with the same bits as the op did."""
+    swapped_args = tuple(before.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in args)
     swapped_kwargs = {
         k: before.get(id(v), v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()
     }
@@ -289,7 +329,7 @@ def _method_matches(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            method(*swapped_args, **swapped_kwargs)
+            plan.build(swapped_args, swapped_kwargs, ())()
     except (RuntimeError, TypeError, ValueError, IndexError):
         return False
     return all(bitwise_equal(copy, originals[key]) for key, copy in before.items())
