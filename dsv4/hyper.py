@@ -8,10 +8,12 @@ computes the mixing weights runs in fp32 with fp32 parameters, as in the referen
 
 Op economy (a step costs per op, eagerly and on the CPU tape): the three scale/bias pairs are
 applied to all ``(2 + n) * n`` mixing logits at once, which one ``split`` then cuts into the
-three parts; every Sinkhorn half-step is two ops,
-``x /= baddbmm(eps, ones, x)`` (the sums plus ``eps`` in one batched product). Products and sums
-keep the reference's rounding steps (no fused multiply-adds), so bf16 models still round where
-the reference rounds.
+three parts; every Sinkhorn half-step is two ops, ``x /= ones @ bordered`` then a division:
+``comb`` lives in the top-left block of ``bordered [T, n+1, n+1]``, whose last row and column
+hold ``eps``, so one batched product over ``n + 1`` entries gives the column (or, through the
+transpose, row) sums with ``eps`` added last, as the reference adds it. Products and sums keep
+the reference's rounding steps (no fused multiply-adds), so bf16 models still round where the
+reference rounds.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ class HyperConnection(nn.Module):
 
     scale_index: torch.Tensor
     ones: torch.Tensor
-    eps_tensor: torch.Tensor
 
     def __init__(
         self, hc_mult: int, hidden_size: int, *, sinkhorn_iters: int, eps: float, norm_eps: float
@@ -47,8 +48,7 @@ class HyperConnection(nn.Module):
         # which of the three scales each mixing logit takes: pre (n), post (n), comb (n * n)
         index = torch.tensor([0] * hc_mult + [1] * hc_mult + [2] * hc_mult * hc_mult)
         self.register_buffer("scale_index", index, persistent=False)
-        self.register_buffer("ones", torch.ones(1, 1, hc_mult), persistent=False)
-        self.register_buffer("eps_tensor", torch.tensor(eps), persistent=False)
+        self.register_buffer("ones", torch.ones(1, 1, hc_mult + 1), persistent=False)
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``streams [T, n, hidden]`` -> ``post [T, n]``, ``comb^T [T, n, n]``, block input."""
@@ -60,14 +60,17 @@ class HyperConnection(nn.Module):
         pre, post, comb = logits.split((n, n, n * n), dim=1)
         pre = torch.sigmoid(pre) + eps
         post = torch.sigmoid(post) * 2
-        comb = torch.softmax(comb.view(tokens, n, n), dim=-1) + eps
-        # column sums of comb and of its transpose (= row sums of comb) are both ones @ matrix
-        eps_tensor, ones = self.eps_tensor, self.ones.expand(tokens, 1, n)
+        bordered = F.pad(
+            torch.softmax(comb.view(tokens, n, n), dim=-1) + eps, (0, 1, 0, 1), value=eps
+        )
+        comb, ones = bordered[:, :n, :n], self.ones.expand(tokens, 1, n + 1)
         comb_t = comb.transpose(1, 2)
-        comb.div_(torch.baddbmm(eps_tensor, ones, comb))
+        # ones @ (comb over its eps row) = column sums + eps; through the transpose, row sums
+        columns, rows = bordered[:, :, :n], bordered.transpose(1, 2)[:, :, :n]
+        comb.div_(torch.bmm(ones, columns))
         for _ in range(self.sinkhorn_iters - 1):
-            comb_t.div_(torch.baddbmm(eps_tensor, ones, comb_t))
-            comb.div_(torch.baddbmm(eps_tensor, ones, comb))
+            comb_t.div_(torch.bmm(ones, rows))
+            comb.div_(torch.bmm(ones, columns))
         collapsed = as_dtype(torch.einsum("tn,tnh->th", pre, x), streams.dtype)
         return post, comb_t, collapsed
 
