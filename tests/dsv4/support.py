@@ -3,8 +3,11 @@
 Configs are tiny (hidden <= 32, <= 3 layers) so one example costs well under a second, yet they
 mix all three layer types, windows shorter and longer than the prompts, CSA rates down to 1 and
 lowered HCA rates, YaRN on and off (in both RoPE parts), rotary fractions, ``o_groups``, MoE
-shapes, hash and top-k routing, both scoring functions, and >= 8 indexer heads (with fewer,
-exact-zero score ties make top-k order-dependent).
+shapes, hash and top-k routing, both scoring functions, and >= 16 indexer heads: an entry
+scores exactly 0 when ReLU zeroes every head (probability about ``2**-heads`` per token and
+entry), and two such zeros straddling the top-k cut are a legitimate tie that ``torch.topk``
+breaks differently for different row lengths (ours: the request's capacity; the reference:
+the sequence length). With 8-10 heads, rate-1 CSA and 37-token prompts that happened.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ def configs(draw: st.DrawFn, *, max_layers: int = 3) -> DeepseekV4Config:
         layer_types=draw(layer_types(layers)),
         compress_rate_csa=draw(st.integers(1, 4)),
         compress_rate_hca=draw(st.integers(2, 8)),
-        index_n_heads=draw(st.integers(8, 10)),
+        index_n_heads=draw(st.integers(16, 18)),
         index_head_dim=draw(st.sampled_from([d for d in (8, 12) if d >= rope_dim])),
         index_topk=draw(st.integers(1, 6)),
         rope_theta=draw(st.sampled_from([10000.0, 500.0])),
