@@ -8,6 +8,7 @@ calls the steps in order and does nothing else. Plans, fastest first:
   ``Tensor.copy_`` into the captured output.
 - ``Fill`` / ``Const``: a factory or literal re-filled in place with its captured value.
 - ``CallOut``: the op's ``out=`` form writing straight into the captured outputs.
+- ``SumThenDivide``: ``mean`` as ATen computes it on a CPU, with the count as a 0-dim tensor.
 - ``Call``: an in-place or user ``out=`` op re-run as recorded.
 
 ``CallOut`` and ``Call`` may pass one Python-number operand of an arithmetic op as a 0-dim tensor
@@ -35,6 +36,7 @@ __all__ = [
     "Fill",
     "Plan",
     "Step",
+    "SumThenDivide",
     "flat_tensors",
 ]
 
@@ -108,6 +110,30 @@ class CallOut:
 
 
 @attrs.frozen
+class SumThenDivide:
+    """``mean`` as ATen's CPU kernel computes it for dtypes that compute in their own precision:
+    ``sum`` into the output, then an in-place division by the element count — here passed as a
+    0-dim tensor, so the count is not converted on every call (ATen passes it as a number)."""
+
+    count: int
+
+    def build(
+        self, args: Sequence[Any], kwargs: dict[str, Any], outs: Sequence[torch.Tensor]
+    ) -> Step:
+        out = outs[0]
+        summed = functools.partial(torch.sum, *args, **kwargs, out=out)
+        divide = functools.partial(
+            torch.Tensor.div_, out, torch.tensor(self.count, dtype=out.dtype)
+        )
+
+        def step() -> None:
+            summed()
+            divide()
+
+        return step
+
+
+@attrs.frozen
 class CallCopy:
     """Run ``fn`` and copy the outputs at ``fresh`` (indices into the flat outputs) into place."""
 
@@ -166,4 +192,4 @@ class Const:
         return functools.partial(torch.Tensor.copy_, outs[0], self.saved)
 
 
-Plan = Call | CallOut | CallCopy | CopyFrom | Fill | Const
+Plan = Call | CallOut | SumThenDivide | CallCopy | CopyFrom | Fill | Const

@@ -12,7 +12,9 @@ While recording, each op gets a plan (``graphs.tape_ops``). The candidates, fast
 - ``Call``: in-place and user ``out=`` ops re-run as recorded (the public ``Tensor`` method when
   it was checked to match, the operator otherwise).
 
-Arithmetic with a Python-number operand (``x * 2``, ``x.add_(eps)``) first tries the public form
+``mean`` on a CPU in such a dtype first tries ``SumThenDivide``, the kernel sequence ATen's own
+CPU ``mean`` runs, minus its per-call conversion of the count. Arithmetic with a Python-number
+operand (``x * 2``, ``x.add_(eps)``) first tries the public form
 with the number passed as a 0-dim tensor of the dtype the op computes in (``number_operand``),
 for dtypes that compute in their own precision (see ``_number_operand``).
 - ``CallCopy``: the fallback for everything else: run the op, copy its fresh outputs into place.
@@ -35,7 +37,17 @@ import attrs
 import torch
 from torch._library._out_variant import get_out_arg_names, to_out_variant
 
-from graphs.tape_ops import Call, CallCopy, CallOut, Const, CopyFrom, Fill, Plan, flat_tensors
+from graphs.tape_ops import (
+    Call,
+    CallCopy,
+    CallOut,
+    Const,
+    CopyFrom,
+    Fill,
+    Plan,
+    SumThenDivide,
+    flat_tensors,
+)
 
 __all__ = [
     "PlanCache",
@@ -109,6 +121,19 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 # -- choosing a plan ----------------------------------------------------------------------------
+
+
+def _mean_count(name: str, args: tuple[Any, ...], outs: Sequence[torch.Tensor]) -> int | None:
+    """Elements averaged per output of a CPU ``mean`` in a dtype that computes in its own
+    precision (where ATen's kernel is ``sum`` then a division by this count); else ``None``."""
+    if name != "mean" or len(outs) != 1 or not args or not isinstance(args[0], torch.Tensor):
+        return None
+    source, out = args[0], outs[0]
+    if out.device.type != "cpu" or out.dtype != source.dtype or out.dtype not in _OWN_PRECISION:
+        return None
+    if out.numel() == 0 or not out.dtype.is_floating_point:
+        return None
+    return source.numel() // out.numel()
 
 
 def _number_operand(
@@ -241,6 +266,9 @@ def plan_functional(
     copy_like = name in _COPY_LIKE and len(outs) == 1 and len(sources) == 1
     if copy_like and sources[0].numel() == outs[0].numel():
         candidates.append(CopyFrom(0))
+    mean_count = _mean_count(name, args, outs)
+    if mean_count is not None:
+        candidates.append(SumThenDivide(mean_count))
     out_candidates = _out_candidates(func)
     number = _number_operand(name, args, kwargs, outs[0].dtype)
     if number is not None:

@@ -1,9 +1,12 @@
-"""Number operands of arithmetic replayed as 0-dim tensors (``number_operand`` plans).
+"""Plans that replay an op faster than its ``out=`` form, and must stay bitwise-equal to it.
 
-Property: for every arithmetic op, in-place or not, every dtype and any number, the replayed
-step equals eager bit for bit on new inputs. Where the dtype computes in its own precision the
-plan passes the number as a tensor; for reduced floats (which compute in fp32 and read the
-number unrounded) it must not.
+- Number operands of arithmetic replayed as 0-dim tensors (``number_operand``): for every
+  arithmetic op, in-place or not, every dtype and any number, the replayed step equals eager bit
+  for bit on new inputs. Where the dtype computes in its own precision the plan passes the number
+  as a tensor; for reduced floats (which compute in fp32 and read the number unrounded) it must
+  not.
+- ``mean`` replayed as ``sum`` then a division (``SumThenDivide``): equal to eager bit for bit
+  over random shapes, reduced dims and dtypes; chosen exactly for CPU fp32/fp64.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from hypothesis import strategies as st
 
 from graphs import BreakableCapture, TapeBackend
 from graphs.tape import TapeSegment
+from graphs.tape_ops import SumThenDivide
+from graphs.tape_plan import plan_functional
 
 OPS: dict[str, Callable[[torch.Tensor, float | int], torch.Tensor]] = {
     "add": lambda x, n: x + n,
@@ -100,3 +105,37 @@ def test_number_is_passed_as_a_tensor_only_where_the_dtype_computes_in_itself(
         assert isinstance(number, torch.Tensor) and number.dtype == dtype and number.dim() == 0
     else:
         assert number == 0.1
+
+
+@given(
+    shape=st.lists(st.integers(1, 7), min_size=1, max_size=3),
+    data=st.data(),
+    keepdim=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_mean_replays_like_eager(
+    shape: list[int], data: st.DataObject, keepdim: bool, dtype: torch.dtype, seed: int
+) -> None:
+    dims = data.draw(st.sets(st.integers(0, len(shape) - 1), min_size=1), label="dims")
+    generator = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=generator, dtype=torch.float64) * 100).to(dtype)
+    with torch.inference_mode():
+        with BreakableCapture(TapeBackend()) as capture:
+            out = x.mean(dim=sorted(dims), keepdim=keepdim)
+        x.copy_(torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype))
+        capture.replay()
+        assert _same_bits(out, x.mean(dim=sorted(dims), keepdim=keepdim))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_mean_is_sum_then_divide_only_in_dtypes_that_compute_in_themselves(
+    dtype: torch.dtype,
+) -> None:
+    x = _inputs(dtype, 3)
+    with torch.inference_mode():
+        out = x.mean(dim=[1], keepdim=True)
+        plan = plan_functional(torch.ops.aten.mean.dim, (x, [1], True), {}, [out], (0,), {})
+    assert isinstance(plan, SumThenDivide) == (dtype in OWN_PRECISION)
+    if isinstance(plan, SumThenDivide):
+        assert plan.count == 5
