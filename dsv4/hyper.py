@@ -57,13 +57,12 @@ class HyperConnection(nn.Module):
         flat = F.rms_norm(x.flatten(1), (x.shape[1] * x.shape[2],), eps=self.norm_eps)
         scale = self.scale.index_select(0, self.scale_index)
         logits = F.linear(flat, self.fn) * scale + self.base
-        pre, post, comb = logits.split((n, n, n * n), dim=1)
+        pre, post, comb_logits = logits.split((n, n, n * n), dim=1)
         pre = torch.sigmoid(pre) + eps
         post = torch.sigmoid(post) * 2
-        bordered = F.pad(
-            torch.softmax(comb.view(tokens, n, n), dim=-1) + eps, (0, 1, 0, 1), value=eps
-        )
+        bordered = torch.full((tokens, n + 1, n + 1), eps, dtype=x.dtype, device=x.device)
         comb, ones = bordered[:, :n, :n], self.ones.expand(tokens, 1, n + 1)
+        comb.add_(torch.softmax(comb_logits.view(tokens, n, n), dim=-1))  # eps + p == p + eps
         comb_t = comb.transpose(1, 2)
         # ones @ (comb over its eps row) = column sums + eps; through the transpose, row sums
         columns, rows = bordered[:, :, :n], bordered.transpose(1, 2)[:, :, :n]

@@ -7,8 +7,13 @@ token-id table ``tid2eid``. Chosen weights are normalised to sum to one and mult
 ``routed_scaling_factor``. Expert activations clamp the gate from above and the up projection
 on both sides at ``swiglu_limit``.
 
-Experts run per token on gathered weights (``[T, k, ...]``): no data-dependent shapes and no
-host syncs, so the MoE can be captured; it is a reference formulation, not a fast kernel.
+Experts run without data-dependent shapes or host syncs, so the MoE can be captured, in one of
+two static formulations chosen from the shapes (a host-constant decision, frozen per captured
+size): when ``E <= 2 * T * k`` every expert runs on every token (reading each expert's weights
+once costs no more than copying the chosen ones) and the chosen outputs are gathered; otherwise
+each token runs on its gathered expert weights (``[T, k, ...]``). Either way the chosen outputs
+are weighted and summed over the ``k`` slots the same way. It is a reference formulation, not a
+fast grouped-GEMM kernel.
 """
 
 from __future__ import annotations
@@ -55,11 +60,30 @@ class Experts(nn.Module):
     def forward(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
+        """``x [T, hidden]``, chosen ``experts [T, k]`` and their ``weights`` -> ``[T, hidden]``."""
+        tokens, k = experts.shape
+        if self.gate_up_proj.shape[0] <= 2 * tokens * k:
+            out = self._chosen_of_all(x, experts)
+        else:
+            out = self._on_gathered_weights(x, experts)
+        return (out * as_dtype(weights, out.dtype).unsqueeze(-1)).sum(dim=1)
+
+    def _chosen_of_all(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token, then each token's chosen outputs ``[T, k, hidden]``."""
+        num_experts, double_inter, hidden_size = self.gate_up_proj.shape
+        gate_up = F.linear(x, self.gate_up_proj.flatten(0, 1)).view(-1, num_experts, double_inter)
+        gate, up = gate_up.chunk(2, dim=-1)
+        hidden = _swiglu(gate, up, self.limit)  # [T, E, I]
+        out = torch.bmm(hidden.transpose(0, 1), self.down_proj.transpose(1, 2))  # [E, T, hidden]
+        index = experts.unsqueeze(-1).expand(*experts.shape, hidden_size)
+        return out.transpose(0, 1).gather(1, index)
+
+    def _on_gathered_weights(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Each token on its chosen experts' gathered weights: ``[T, k, hidden]``."""
         gate_up = torch.einsum("tkoh,th->tko", self.gate_up_proj[experts], x)
         gate, up = gate_up.chunk(2, dim=-1)
         hidden = _swiglu(gate, up, self.limit)
-        out = torch.einsum("tkhi,tki->tkh", self.down_proj[experts], hidden)
-        return (out * as_dtype(weights, out.dtype).unsqueeze(-1)).sum(dim=1)
+        return torch.einsum("tkhi,tki->tkh", self.down_proj[experts], hidden)
 
 
 class Router(nn.Module):
