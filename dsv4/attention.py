@@ -32,9 +32,15 @@ from dsv4.cache import LayerCache
 from dsv4.compressor import Compressor
 from dsv4.config import CSA, SLIDING, DeepseekV4Config
 from dsv4.indexer import Indexer
-from dsv4.layers import GroupedLinear, RMSNorm, as_dtype, rms_normalize
+from dsv4.layers import GroupedLinear, RMSNorm, as_dtype, read_rows, rms_normalize
 from dsv4.metadata import AttentionMetadata
-from dsv4.paging import Window, request_blocks, sink_rows, token_slots, write_rows
+from dsv4.paging import (
+    Window,
+    request_blocks,
+    sink_rows,
+    token_slots,
+    write_rows,
+)
 from dsv4.pooling import PoolingPlan, entry_capacity, entry_ends
 from dsv4.rope import RotaryEmbedding, RotaryTables
 from graphs import EagerRegionStrategy, NarrowRegion, get_forward_context
@@ -220,7 +226,7 @@ class DeepseekV4Attention(nn.Module):
     def _attend(self, prepared: _Prepared) -> torch.Tensor:
         cache = self._cache_or_raise()
         window = prepared.window
-        keys = cache.kv[window.slots]
+        keys = read_rows(cache.kv, window.slots)
         visible = window.positions >= 0
         entries = prepared.entries
         if entries is not None and cache.compressor is not None:
@@ -231,12 +237,12 @@ class DeepseekV4Attention(nn.Module):
                 chosen = indexer.select(
                     entries.index_queries,
                     entries.index_weights,
-                    cache.indexer.entries[slots],
+                    read_rows(cache.indexer.entries, slots),
                     entries_visible,
                 )
                 slots = slots.gather(1, chosen)
                 entries_visible = entries_visible.gather(1, chosen)
-            keys = torch.cat((keys, cache.compressor.entries[slots]), dim=1)
+            keys = torch.cat((keys, read_rows(cache.compressor.entries, slots)), dim=1)
             visible = torch.cat((visible, entries_visible), dim=1)
         queries = prepared.queries
         logits = torch.einsum("thd,tkd->thk", queries, keys) * self.scaling

@@ -12,12 +12,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GroupedLinear", "RMSNorm", "as_dtype", "rms_normalize"]
+__all__ = ["GroupedLinear", "RMSNorm", "as_dtype", "read_rows", "rms_normalize"]
 
 
 def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` in ``dtype``, without issuing an op when it already is (a host-constant decision)."""
     return x if x.dtype == dtype else x.to(dtype)
+
+
+def read_rows(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``table[rows]`` for an index tensor ``rows`` of any shape, as one ``index_select`` (which
+    costs less than advanced indexing, eagerly and on the CPU tape)."""
+    picked = table.index_select(0, rows.reshape(-1))
+    return picked.view(*rows.shape, *table.shape[1:])
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:

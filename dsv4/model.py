@@ -25,7 +25,7 @@ from dsv4.attention import DeepseekV4Attention
 from dsv4.cache import PagedKVCaches
 from dsv4.config import DeepseekV4Config
 from dsv4.hyper import HyperConnection, HyperHead, mix
-from dsv4.layers import RMSNorm
+from dsv4.layers import RMSNorm, read_rows
 from dsv4.moe import MoE
 from graphs import EagerRegionStrategy, NarrowRegion
 
@@ -93,7 +93,7 @@ class DeepseekV4Model(nn.Module):
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        embeds = self.embed_tokens(input_ids)
+        embeds = read_rows(self.embed_tokens.weight, input_ids)  # one index_select
         streams = embeds.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
         for layer in self.layers:
             streams = layer(streams, positions, input_ids)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.config import DeepseekV4Config
-from dsv4.layers import as_dtype
+from dsv4.layers import as_dtype, read_rows
 
 __all__ = ["MoE", "SharedExpert"]
 
@@ -115,7 +115,7 @@ class Router(nn.Module):
             torch.sigmoid(logits) if self.scoring_func == "sigmoid" else F.softplus(logits).sqrt()
         )
         if self.hashed:
-            experts = as_dtype(self.tid2eid[input_ids], torch.int64)
+            experts = as_dtype(read_rows(self.tid2eid, input_ids), torch.int64)
         else:
             biased = scores + self.e_score_correction_bias
             experts = torch.topk(biased, self.top_k, dim=-1, sorted=False).indices

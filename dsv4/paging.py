@@ -4,7 +4,8 @@ Every cache tensor has ``num_blocks * block_size + 1`` rows: row ``s`` holds cac
 the last row is a write sink. A write to slot -1 (padding, or a token that completes no window)
 lands in the sink, so "writes nothing" costs no data-dependent branch; the sink is never read
 for a visible position. All caches of a model have the same rows, so a step resolves its
-slots to rows once (``sink_rows``) and every write is a single ``index_copy_``.
+slots to rows once (``sink_rows``) and every write is a single ``index_copy_``; every read of
+cache rows is a single ``index_select`` (``dsv4.layers.read_rows``).
 
 A layer resolves its tokens' block-table rows once per step (``request_blocks``); every lookup
 is then one gather plus the offset in the block (``token_slots``). Every position looked up is
@@ -17,7 +18,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from dsv4.layers import as_dtype
+from dsv4.layers import as_dtype, read_rows
 from dsv4.metadata import AttentionMetadata
 
 __all__ = ["Window", "request_blocks", "sink_rows", "token_slots", "write_rows"]
@@ -25,7 +26,7 @@ __all__ = ["Window", "request_blocks", "sink_rows", "token_slots", "write_rows"]
 
 def request_blocks(metadata: AttentionMetadata) -> torch.Tensor:
     """``[T, max_blocks_per_row]`` first cache slot of each block of every token's request."""
-    return metadata.block_table[metadata.token_request] * metadata.block_size
+    return read_rows(metadata.block_table, metadata.token_request) * metadata.block_size
 
 
 def token_slots(blocks: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -22,7 +22,8 @@ constants, and there is no host sync: partial windows persist across steps in th
 Op economy: where each token reads its window and writes its entry depends only on the rate,
 so ``PoolingPlan`` computes it once per step and rate (a CSA layer's compressor and indexer
 share one, and its window is a view of the attention layer's); an overlapping window gathers
-its ``a`` and ``b`` halves in one indexing op.
+its ``a`` and ``b`` halves in one ``index_select`` per cache (rows of the ``[2 * rows, dim]``
+view of the ``[rows, 2 * dim]`` cache).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 
 from dsv4.cache import CompressorCache
-from dsv4.layers import RMSNorm, as_dtype
+from dsv4.layers import RMSNorm, as_dtype, read_rows
 from dsv4.metadata import AttentionMetadata
 from dsv4.paging import Window, write_rows
 from dsv4.rope import RotaryEmbedding, RotaryTables
@@ -122,17 +123,18 @@ class WindowPooler(nn.Module):
         """Record this step's tokens (at cache rows ``write``) and write every entry a token of
         the step completes (``entry_tables``: rope rows at ``plan.entry_positions``)."""
         kv = self.kv_proj(hidden_states)
-        gate = self.gate_proj(hidden_states) + self.position_bias[plan.phase]
+        gate = self.gate_proj(hidden_states) + read_rows(self.position_bias, plan.phase)
         write_rows(cache.kv, write, kv)
         write_rows(cache.gate, write, gate)
         if self.overlap:
-            index = (plan.window_slots, self.halves)
-            kv_w = cache.kv.view(cache.kv.shape[0], 2, self.dim)[index]
-            gate_w = cache.gate.view(cache.gate.shape[0], 2, self.dim)[index]
+            halves = plan.window_slots * 2 + self.halves  # rows of the [2 * rows, dim] views
+            kv_w = read_rows(cache.kv.view(-1, self.dim), halves)
+            gate_w = read_rows(cache.gate.view(-1, self.dim), halves)
             assert plan.before_start is not None
-            gate_w = gate_w.masked_fill(plan.before_start, float("-inf"))
+            gate_w = torch.where(plan.before_start, float("-inf"), gate_w)
         else:
-            kv_w, gate_w = cache.kv[plan.window_slots], cache.gate[plan.window_slots]
+            kv_w = read_rows(cache.kv, plan.window_slots)
+            gate_w = read_rows(cache.gate, plan.window_slots)
         weights = as_dtype(gate_w.softmax(dim=1, dtype=torch.float32), kv_w.dtype)
         pooled = self.kv_norm((kv_w * weights).sum(dim=1))
         entry = rope.rotate(pooled, entry_tables.last(self.dim))

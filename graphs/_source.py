@@ -2,7 +2,9 @@
 
 Capture errors and audit findings name a source line a person can open. The frames of torch
 (modules, dispatch modes, operator wrappers) and of this package (the tape, the audit, eager
-breaks) are machinery, so the first frame outside both is the line that issued the op.
+breaks) are machinery, so the first frame outside both is the line that issued the op. Its
+caller follows, since the line that issued the op is often a small helper's body (``x[rows]``
+inside ``read_rows``) and the caller's line names what the helper was given.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import linecache
 import os
 import sys
-from types import CodeType
+from types import CodeType, FrameType
 
 import torch
 
@@ -35,13 +37,25 @@ def _is_internal(code: CodeType) -> bool:
     return internal
 
 
-def user_location() -> str:
-    """``path:line in function: source`` of the innermost frame outside torch and graphs."""
-    frame = sys._getframe(1)
+def _user_frame(frame: FrameType | None) -> FrameType | None:
     while frame is not None and _is_internal(frame.f_code):
-        frame = frame.f_back  # type: ignore[assignment]
+        frame = frame.f_back
+    return frame
+
+
+def user_location() -> str:
+    """``path:line in function: source`` of the innermost frame outside torch and graphs, then
+    ``(called from …)`` with its caller's, when that is outside them too."""
+    frame = _user_frame(sys._getframe(1))
     if frame is None:
         return "<unknown location>"
+    caller = frame.f_back
+    if caller is None or _is_internal(caller.f_code):
+        return _describe(frame)
+    return f"{_describe(frame)} (called from {_describe(caller)})"
+
+
+def _describe(frame: FrameType) -> str:
     code = frame.f_code
     path = os.path.relpath(code.co_filename)
     if path.startswith(".."):
