@@ -110,3 +110,22 @@ def test_illegal_ops_are_fine_in_an_eager_break_and_rerun_on_replay(case: str) -
             x.fill_(value)
             capture.replay()
             assert torch.equal(out, (x + 1.0) * (1.0 if value + 1.0 > 0 else -1.0))
+
+
+def _helper_that_syncs(x: torch.Tensor) -> torch.Tensor:
+    return x[x > 0]  # a data-dependent shape, issued inside a helper
+
+
+def test_an_illegal_op_in_a_helper_names_the_helper_line_and_its_caller() -> None:
+    helper_line = _helper_that_syncs.__code__.co_firstlineno + 1
+    x = torch.randn(3)
+    with (
+        torch.inference_mode(),
+        pytest.raises(CaptureError) as raised,
+        BreakableCapture(TapeBackend()),
+    ):
+        _helper_that_syncs(x)  # the caller's line
+    message = str(raised.value)
+    assert f"test_legality.py:{helper_line} in _helper_that_syncs: return x[x > 0]" in message
+    assert "(called from tests/graphs/test_legality.py:" in message
+    assert "_helper_that_syncs(x)  # the caller's line)" in message
