@@ -75,7 +75,11 @@ _PUBLIC_NAMESPACES: tuple[Any, ...] = (
     torch,
     *(getattr(torch._C, name) for name in ("_nn", "_linalg", "_special", "_fft")),
 )
-_NUMBER_OPERAND_OPS = frozenset({"add", "sub", "mul", "div", "add_", "sub_", "mul_", "div_"})
+_NUMBER_OPERAND_OPS = frozenset(
+    {"add", "sub", "mul", "div", "remainder", "floor_divide"}
+    | {"add_", "sub_", "mul_", "div_", "remainder_", "floor_divide_"}
+)
+"""Ops whose number overload is the tensor overload on ``wrapped_scalar_tensor(number)``."""
 _OWN_PRECISION = frozenset({torch.float32, torch.float64, torch.int32, torch.int64})
 """Dtypes binary arithmetic computes in (its ``opmath`` type is the dtype itself): ATen
 converts a number operand to exactly this dtype, so a 0-dim tensor of it is the same operand.
@@ -139,9 +143,9 @@ def _mean_count(name: str, args: tuple[Any, ...], outs: Sequence[torch.Tensor]) 
 def _number_operand(
     name: str, args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype
 ) -> int | None:
-    """Index of a Python-number operand of ``add``/``sub``/``mul``/``div`` (or their in-place
-    forms) that ATen would convert to ``dtype`` on every call, where ``dtype`` is both the tensor
-    operand's and the result's and computes in its own precision; else ``None``."""
+    """Index of a Python-number operand of an op in ``_NUMBER_OPERAND_OPS`` that ATen would
+    convert to ``dtype`` on every call, where ``dtype`` is both the tensor operand's and the
+    result's and computes in its own precision; else ``None``."""
     if name not in _NUMBER_OPERAND_OPS or "rounding_mode" in kwargs or len(args) < 2:
         return None
     tensor, number = args[0], args[1]

@@ -32,6 +32,10 @@ OPS: dict[str, Callable[[torch.Tensor, float | int], torch.Tensor]] = {
     "sub_": lambda x, n: x.clone().sub_(n),
     "mul_": lambda x, n: x.clone().mul_(n),
     "div_": lambda x, n: x.clone().div_(n),
+    "remainder": lambda x, n: x % n,
+    "floor_divide": lambda x, n: x // n,
+    "remainder_": lambda x, n: x.clone().remainder_(n),
+    "floor_divide_": lambda x, n: x.clone().floor_divide_(n),
 }
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32]
 OWN_PRECISION = {torch.float32, torch.float64, torch.int64, torch.int32}
@@ -71,10 +75,10 @@ def _steps(segment: object) -> tuple[object, ...]:
 def test_number_operands_replay_like_eager(
     op: str, dtype: torch.dtype, number: float | int, seed: int
 ) -> None:
-    if not dtype.is_floating_point and (isinstance(number, float) or op.startswith("div")):
-        number = int(number)
+    if not dtype.is_floating_point:
         if op.startswith("div"):
             return  # true division of integers changes dtype or is rejected in place
+        number = int(number) or 1  # integer division by zero raises eagerly too
     program = OPS[op]
     x = _inputs(dtype, seed)
     with torch.inference_mode():
