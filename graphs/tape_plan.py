@@ -60,8 +60,9 @@ __all__ = [
     "signature",
 ]
 
-PlanCache = dict[tuple[Any, ...], int]
-"""Which candidate won, by op signature; kept by a backend across its segments.
+PlanCache = dict[tuple[Any, ...], "Plan"]
+"""The plan that won, by op signature; kept by a backend across its segments. Only plans that
+hold no tensors are cached (every plan these functions choose but ``Const``).
 
 Whether a candidate reproduces an op bit for bit depends on the kernels it reaches, which
 depend on the op, the scalar arguments and the tensors' dtypes, devices, shapes and strides —
@@ -194,19 +195,10 @@ def _first_reproducing(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     outs: Sequence[torch.Tensor],
-    key: tuple[Any, ...] | None,
-    cache: PlanCache,
-) -> int:
-    """Index of the first candidate reproducing ``outs`` (``len(candidates)``: none does)."""
-    if key is not None and key in cache:
-        return cache[key]
-    winner = next(
-        (i for i, c in enumerate(candidates) if _reproduces(c, args, kwargs, outs)),
-        len(candidates),
-    )
-    if key is not None:
-        cache[key] = winner
-    return winner
+    fallback: Plan,
+) -> Plan:
+    """The first candidate reproducing ``outs`` bit for bit, else ``fallback``."""
+    return next((c for c in candidates if _reproduces(c, args, kwargs, outs)), fallback)
 
 
 def _reproduces(
@@ -261,10 +253,13 @@ def plan_functional(
     cache: PlanCache,
 ) -> Plan:
     """Plan for an op that reads its inputs and writes fresh outputs (indices ``fresh``)."""
-    name = func._schema.name.split("::")[-1]
     fallback = CallCopy(_op_callable(func), fresh)
     if len(fresh) != len(outs) or not all(_dense(o) for o in outs):
         return fallback
+    key = signature(func, args, kwargs, outs)
+    if key is not None and key in cache:
+        return cache[key]  # the same outputs are all fresh, so even a fallback is the same
+    name = func._schema.name.split("::")[-1]
     candidates: list[Plan] = []
     sources = flat_tensors(args, kwargs)
     copy_like = name in _COPY_LIKE and len(outs) == 1 and len(sources) == 1
@@ -278,9 +273,10 @@ def plan_functional(
     if number is not None:
         candidates.extend(attrs.evolve(c, number_operand=number) for c in out_candidates)
     candidates.extend(out_candidates)
-    key = signature(func, args, kwargs, outs)
-    winner = _first_reproducing(candidates, args, kwargs, outs, key, cache)
-    return candidates[winner] if winner < len(candidates) else fallback
+    plan = _first_reproducing(candidates, args, kwargs, outs, fallback)
+    if key is not None:
+        cache[key] = plan
+    return plan
 
 
 def plan_factory(
@@ -313,40 +309,36 @@ def plan_mutating(
     outs: Sequence[torch.Tensor],
     fresh: tuple[int, ...],
     before: dict[int, torch.Tensor],
+    key: tuple[Any, ...] | None,
     cache: PlanCache,
 ) -> Plan:
     """Plan for an op that writes some of its arguments (in-place or user ``out=``).
 
-    ``before`` maps ``id`` of each mutated argument to a copy taken before the op ran (empty
-    when the mutated tensors were too large to copy, or when ``cache`` already knows the op's
-    signature — see ``inplace_copies``); with it the public ``Tensor`` method (first with a
+    ``key`` is the op's ``signature`` without outputs (computed once for ``inplace_copies``
+    too). ``before`` maps ``id`` of each mutated argument to a copy taken before the op ran
+    (empty when the mutated tensors were too large to copy, or when ``cache`` already knows the
+    op's signature — see ``inplace_copies``); with it the public ``Tensor`` method (first with a
     number operand as a tensor, where eligible) is checked against the op on the copies.
     """
     op = _op_callable(func)
     if fresh:
         return CallCopy(op, fresh)
+    if key is not None and key in cache:
+        return cache[key]
     name = func._schema.name.split("::")[-1]
     method = getattr(torch.Tensor, name, None) if name.endswith("_") else None
-    candidates: list[Call] = []
-    if method is not None:
-        written = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        number = None if written is None else _number_operand(name, args, kwargs, written.dtype)
-        if number is not None:
-            candidates.append(Call(method, number))
-        candidates.append(Call(method))
-    key = signature(func, args, kwargs)
-    if key is not None and key in cache:
-        winner = cache[key]
-    elif not candidates or not before:
+    if method is None or not before:
         return Call(op)
-    else:
-        winner = next(
-            (i for i, c in enumerate(candidates) if _call_matches(c, args, kwargs, before)),
-            len(candidates),
-        )
-        if key is not None:
-            cache[key] = winner
-    return candidates[winner] if winner < len(candidates) else Call(op)
+    candidates: list[Call] = []
+    written = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    number = None if written is None else _number_operand(name, args, kwargs, written.dtype)
+    if number is not None:
+        candidates.append(Call(method, number))
+    candidates.append(Call(method))
+    plan = next((c for c in candidates if _call_matches(c, args, kwargs, before)), Call(op))
+    if key is not None:
+        cache[key] = plan
+    return plan
 
 
 def _call_matches(
@@ -368,14 +360,17 @@ def _call_matches(
 
 
 def inplace_copies(
-    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], cache: PlanCache
+    func: torch._ops.OpOverload,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    key: tuple[Any, ...] | None,
+    cache: PlanCache,
 ) -> dict[int, torch.Tensor]:
     """Copies of the tensors ``func`` mutates, to check the ``Tensor`` method path against
-    (none if ``cache`` already knows the call's signature)."""
+    (none if ``cache`` already knows the call's signature ``key``)."""
     name = func._schema.name.split("::")[-1]
     if not name.endswith("_") or not hasattr(torch.Tensor, name):
         return {}
-    key = signature(func, args, kwargs)
     if key is not None and key in cache:
         return {}
     mutated = [

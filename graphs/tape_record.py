@@ -37,6 +37,7 @@ from graphs.tape_plan import (
     plan_factory,
     plan_functional,
     plan_mutating,
+    signature,
 )
 
 __all__ = ["Record", "Recorder", "StorageInfo"]
@@ -148,8 +149,10 @@ class Recorder(TorchDispatchMode):
                 return func._op_dk(_COMPOSITE, *args, **kwargs)
         name, mutating, inplace_view = _traits(func)
         with torch._C._DisableTorchDispatch():  # no mode sees the checks (cheaper than popping)
+            # a mutating op's plan-cache key, taken once, before the op runs
+            key = signature(func, args, kwargs) if mutating and not inplace_view else None
             before = (
-                inplace_copies(func, args, kwargs, self.plan_cache)
+                inplace_copies(func, args, kwargs, key, self.plan_cache)
                 if mutating and not inplace_view
                 else {}
             )
@@ -173,7 +176,7 @@ class Recorder(TorchDispatchMode):
                 if isinstance(t, torch.Tensor)
             )
         with torch._C._DisableTorchDispatch():  # no mode sees the checks (cheaper than popping)
-            plan = self._plan(func, name, args, kwargs, tensors, outs, fresh, before, mutating)
+            plan = self._plan(func, name, args, kwargs, tensors, outs, fresh, before, mutating, key)
         if plan is not None:
             constant_key = None
             if name in _LITERALS or (not mutating and _is_factory(name, tensors)):
@@ -202,11 +205,13 @@ class Recorder(TorchDispatchMode):
         fresh: tuple[int, ...],
         before: dict[int, torch.Tensor],
         mutating: bool,
+        key: tuple[Any, ...] | None,
     ) -> Plan | None:
+        """``key``: a mutating op's signature (``None`` when its arguments are unhashable)."""
         if name in _LITERALS:
             return Const(outs[0].clone())
         if mutating:
-            return plan_mutating(func, args, kwargs, outs, fresh, before, self.plan_cache)
+            return plan_mutating(func, args, kwargs, outs, fresh, before, key, self.plan_cache)
         if _is_factory(name, tensors) and len(outs) == 1:
             return plan_factory(func, args, kwargs, outs[0])
         return plan_functional(func, args, kwargs, outs, fresh, self.plan_cache)
