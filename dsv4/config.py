@@ -194,6 +194,43 @@ class DeepseekV4Config:
             pad_token_id=258,
         )
 
+    @classmethod
+    def small(cls) -> DeepseekV4Config:
+        """A larger random-weight model for benchmarks (``init-checkpoint --preset small``).
+
+        Same byte-level vocabulary as ``tiny``; four layers (CSA twice), 16 routed experts of
+        which each token takes 4 (so one-token decode steps run the MoE on gathered weights and
+        larger batches run every expert), windows and top-k closer to real proportions.
+        """
+        return cls(
+            vocab_size=320,
+            hidden_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            head_dim=64,
+            q_lora_rank=256,
+            o_groups=4,
+            o_lora_rank=128,
+            partial_rotary_factor=0.25,
+            sliding_window=64,
+            layer_types=(SLIDING, CSA, HCA, CSA),
+            compress_rate_csa=4,
+            compress_rate_hca=16,
+            index_n_heads=16,
+            index_head_dim=32,
+            index_topk=16,
+            compress_yarn=YarnScaling(factor=4.0, original_max_position_embeddings=256),
+            hc_mult=4,
+            mlp_layer_types=("hash_moe", "moe", "moe", "moe"),
+            moe_intermediate_size=256,
+            n_routed_experts=16,
+            num_experts_per_tok=4,
+            max_position_embeddings=4096,
+            bos_token_id=256,
+            eos_token_id=257,
+            pad_token_id=258,
+        )
+
 
 POSITIVE_INT_FIELDS = (
     "vocab_size",

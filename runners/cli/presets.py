@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 
 __all__ = ["PRESETS", "preset_config"]
 
-PRESETS = ("tiny",)
+PRESETS = ("tiny", "small")
 
 
 def preset_config(name: str) -> DeepseekV4Config:
@@ -20,4 +20,6 @@ def preset_config(name: str) -> DeepseekV4Config:
 
     if name == "tiny":
         return DeepseekV4Config.tiny()
+    if name == "small":
+        return DeepseekV4Config.small()
     raise UsageError(f"unknown preset {name!r}; expected one of: {', '.join(PRESETS)}")

@@ -209,3 +209,10 @@ def test_bad_directories_give_one_line_errors(
     (bad_config / "config.json").write_text(json.dumps({**raw, "o_groups": 3}))
     with pytest.raises(ConfigError, match="divisible by o_groups"):
         load_checkpoint(bad_config)
+
+
+def test_the_small_preset_loads_in_transformers_with_equal_logits(tmp_path: Path) -> None:
+    """The benchmark preset is a valid DeepSeek-V4 model, not only a valid config of ours."""
+    save_random_checkpoint(tmp_path, DeepseekV4Config.small(), seed=3)
+    hf = transformers.DeepseekV4ForCausalLM.from_pretrained(tmp_path).eval()
+    assert (_ours(tmp_path) - hf_logits(hf, PROMPT)).abs().max() <= 1e-4
