@@ -80,10 +80,10 @@ class Experts(nn.Module):
 
     def _on_gathered_weights(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Each token on its chosen experts' gathered weights: ``[T, k, hidden]``."""
-        gate_up = torch.einsum("tkoh,th->tko", self.gate_up_proj[experts], x)
+        gate_up = torch.einsum("tkoh,th->tko", read_rows(self.gate_up_proj, experts), x)
         gate, up = gate_up.chunk(2, dim=-1)
         hidden = _swiglu(gate, up, self.limit)
-        return torch.einsum("tkhi,tki->tkh", self.down_proj[experts], hidden)
+        return torch.einsum("tkhi,tki->tkh", read_rows(self.down_proj, experts), hidden)
 
 
 class Router(nn.Module):
