@@ -10,13 +10,17 @@ Invariants:
   ``slot_mapping[t] == -1``: they write nothing, and their outputs are never read.
 - ``slot_mapping[t] == block_table[row, pos // block_size] * block_size + pos % block_size`` for
   every real token t at position ``pos`` of its request.
-- ``block_table`` is always the full ``[max_rows, max_blocks_per_row]`` table; unused entries are
-  0 and are never read for a visible position.
+- ``block_table`` is always the full ``[max_rows, max_blocks_per_row]`` table. Entries past a
+  row's blocks, and rows no token of the step uses, are never read for a visible position:
+  ``new_metadata`` zeroes them; ``MetadataBuffers`` rewrites only rows whose blocks changed since
+  it last wrote them and leaves the rest as they were.
 
 Two ways to build it, one per runner policy:
 - ``new_metadata``: fresh tensors every step (V1; not address-stable).
 - ``MetadataBuffers.write``: rewrite persistent buffers in place and return views of them (V2;
-  address-stable, so captured work that reads them stays correct on replay).
+  address-stable, so captured work that reads them stays correct on replay). Host cost per step
+  is one host tensor and one copy per per-token buffer, plus one row copy per request whose
+  blocks changed (a decode step usually changes none).
 """
 
 from __future__ import annotations
@@ -133,6 +137,8 @@ class MetadataBuffers:
         self.token_request = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
         self.block_table = torch.zeros(max_rows, max_blocks, dtype=torch.int64, device=device)
+        self._table_rows: dict[int, tuple[int, ...]] = {}
+        """The blocks last written to each row of ``block_table`` (truncated to its width)."""
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """Every persistent buffer (to register as static memory for capture audits)."""
@@ -142,14 +148,28 @@ class MetadataBuffers:
         self, chunks: Sequence[ScheduledChunk], *, num_tokens: int, positions_out: torch.Tensor
     ) -> AttentionMetadata:
         """Rewrite the buffers for this step; write positions into ``positions_out[:T]``."""
-        rows, slots, positions = _host_rows(chunks, num_tokens, self.block_size, self.max_blocks)
-        self.token_request[:num_tokens].copy_(torch.tensor(rows, dtype=torch.int64))
-        self.slot_mapping[:num_tokens].copy_(torch.tensor(slots, dtype=torch.int64))
-        self.block_table.copy_(_host_table(chunks, self.max_rows, self.max_blocks))
-        positions_out[:num_tokens].copy_(torch.tensor(positions, dtype=torch.int64))
+        per_token = torch.tensor(
+            _host_rows(chunks, num_tokens, self.block_size, self.max_blocks), dtype=torch.int64
+        )
+        for chunk in chunks:
+            self._write_table_row(chunk)
+        self.token_request[:num_tokens].copy_(per_token[0])
+        self.slot_mapping[:num_tokens].copy_(per_token[1])
+        positions_out[:num_tokens].copy_(per_token[2])
         return AttentionMetadata(
             token_request=self.token_request[:num_tokens],
             slot_mapping=self.slot_mapping[:num_tokens],
             block_table=self.block_table,
             block_size=self.block_size,
         )
+
+    def _write_table_row(self, chunk: ScheduledChunk) -> None:
+        if not 0 <= chunk.row < self.max_rows:
+            raise ValueError(f"row {chunk.row} outside the block table's {self.max_rows} rows")
+        ids = chunk.block_ids[: self.max_blocks]
+        if self._table_rows.get(chunk.row) == ids:
+            return
+        row = self.block_table[chunk.row]
+        row[: len(ids)].copy_(torch.tensor(ids, dtype=torch.int64))
+        row[len(ids) :].zero_()
+        self._table_rows[chunk.row] = ids

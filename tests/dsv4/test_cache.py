@@ -123,3 +123,47 @@ def test_binding_caches_of_another_model_fails() -> None:
     caches = allocate_kv_caches(DeepseekV4Config.from_hf_dict(other), num_blocks=2, block_size=4)
     with pytest.raises(ValueError, match="caches hold 2 layers, the model has 3"):
         model.bind_kv_caches(caches)
+
+
+STEP_ROWS, STEP_BLOCKS = 4, 5
+
+
+@st.composite
+def _step_chunks(draw: st.DrawFn) -> list[ScheduledChunk]:
+    """One step's chunks: distinct rows, each with 1..STEP_BLOCKS blocks covering its tokens."""
+    rows = draw(st.lists(st.integers(0, STEP_ROWS - 1), min_size=1, max_size=4, unique=True))
+    chunks = []
+    for row in rows:
+        blocks = tuple(draw(st.lists(st.integers(0, 40), min_size=1, max_size=STEP_BLOCKS)))
+        start = draw(st.integers(0, len(blocks) * BLOCK - 1))
+        count = draw(st.integers(1, len(blocks) * BLOCK - start))
+        chunk = ScheduledChunk(row=row, block_ids=blocks, start_position=start, num_tokens=count)
+        chunks.append(chunk)
+    return chunks
+
+
+@given(steps=st.lists(_step_chunks(), min_size=1, max_size=6))
+def test_persistent_metadata_equals_fresh_metadata_step_after_step(
+    steps: list[list[ScheduledChunk]],
+) -> None:
+    """Over steps that add, drop and re-block rows, the persistent buffers (which rewrite only
+    the block-table rows that changed) hold what fresh metadata holds wherever a token reads."""
+    buffers = MetadataBuffers(
+        max_tokens=128, block_size=BLOCK, max_rows=STEP_ROWS, max_blocks=STEP_BLOCKS
+    )
+    positions_out = torch.zeros(128, dtype=torch.int64)
+    for chunks in steps:
+        num_tokens = sum(c.num_tokens for c in chunks)
+        fresh, positions = new_metadata(
+            chunks,
+            num_tokens=num_tokens,
+            block_size=BLOCK,
+            max_rows=STEP_ROWS,
+            max_blocks=STEP_BLOCKS,
+        )
+        persistent = buffers.write(chunks, num_tokens=num_tokens, positions_out=positions_out)
+        assert torch.equal(persistent.token_request, fresh.token_request)
+        assert torch.equal(persistent.slot_mapping, fresh.slot_mapping)
+        assert torch.equal(positions_out[:num_tokens], positions)
+        for chunk in chunks:
+            assert torch.equal(persistent.block_table[chunk.row], fresh.block_table[chunk.row])
