@@ -219,7 +219,7 @@ class DeepseekV4Config:
             index_n_heads=16,
             index_head_dim=32,
             index_topk=16,
-            compress_yarn=YarnScaling(factor=4.0, original_max_position_embeddings=256),
+            compress_yarn=YarnScaling(factor=4.0, original_max_position_embeddings=1024),
             hc_mult=4,
             mlp_layer_types=("hash_moe", "moe", "moe", "moe"),
             moe_intermediate_size=256,
