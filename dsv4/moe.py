@@ -69,14 +69,19 @@ class Experts(nn.Module):
         return (out * as_dtype(weights, out.dtype).unsqueeze(-1)).sum(dim=1)
 
     def _chosen_of_all(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Every expert on every token, then each token's chosen outputs ``[T, k, hidden]``."""
+        """Every expert on every token, then each token's chosen outputs ``[T, k, hidden]``.
+
+        Expert-major: the weights are the left operand (``W @ x^T``, ``[E, rows, T]``), so each
+        weight row streams once against all ``T`` tokens; with MKL on a CPU this also picks a
+        faster kernel than ``x @ W^T`` once ``E * 2I`` is in the thousands.
+        """
         num_experts, double_inter, hidden_size = self.gate_up_proj.shape
-        gate_up = F.linear(x, self.gate_up_proj.flatten(0, 1)).view(-1, num_experts, double_inter)
-        gate, up = gate_up.chunk(2, dim=-1)
-        hidden = _swiglu(gate, up, self.limit)  # [T, E, I]
-        out = torch.bmm(hidden.transpose(0, 1), self.down_proj.transpose(1, 2))  # [E, T, hidden]
+        gate_up = torch.mm(self.gate_up_proj.flatten(0, 1), x.t())
+        gate, up = gate_up.view(num_experts, double_inter, -1).chunk(2, dim=1)
+        hidden = _swiglu(gate, up, self.limit)  # [E, I, T]
+        out = torch.bmm(self.down_proj, hidden)  # [E, hidden, T]
         index = experts.unsqueeze(-1).expand(*experts.shape, hidden_size)
-        return out.transpose(0, 1).gather(1, index)
+        return out.permute(2, 0, 1).gather(1, index)
 
     def _on_gathered_weights(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Each token on its chosen experts' gathered weights: ``[T, k, hidden]``."""
