@@ -8,10 +8,11 @@ computes the mixing weights runs in fp32 with fp32 parameters, as in the referen
 
 Op economy (a step costs per op, eagerly and on the CPU tape): the three scale/bias pairs are
 applied to all ``(2 + n) * n`` mixing logits at once, which one ``split`` then cuts into the
-three parts; every Sinkhorn half-step is two ops, ``x /= ones @ bordered`` then a division:
-``comb`` lives in the top-left block of ``bordered [T, n+1, n+1]``, whose last row and column
-hold ``eps``, so one batched product over ``n + 1`` entries gives the column (or, through the
-transpose, row) sums with ``eps`` added last, as the reference adds it. Products and sums keep
+three parts; every Sinkhorn half-step is two ops, a batched product and an in-place division
+(``x /= ones @ bordered``): ``comb`` lives in the top-left block of ``bordered [T, n+1, n+1]``
+(one ``full`` of ``eps`` plus the softmax added in place), whose last row and column hold
+``eps``, so one product over ``n + 1`` entries gives the column (or, through the transpose, row)
+sums with ``eps`` added last, as the reference adds it. Products and sums keep
 the reference's rounding steps (no fused multiply-adds), so bf16 models still round where the
 reference rounds.
 """
