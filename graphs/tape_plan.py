@@ -11,18 +11,19 @@ While recording, each op gets a plan (``graphs.tape_ops``). The candidates, fast
   ``pow``, ``le``, ``where``, ``softmax.int``, ``index``).
 - ``Call``: in-place and user ``out=`` ops re-run as recorded (the public ``Tensor`` method when
   it was checked to match, the operator otherwise).
-
-``mean`` on a CPU in such a dtype first tries ``SumThenDivide``, the kernel sequence ATen's own
-CPU ``mean`` runs, minus its per-call conversion of the count. Arithmetic with a Python-number
-operand (``x * 2``, ``x.add_(eps)``) first tries the public form
-with the number passed as a 0-dim tensor of the dtype the op computes in (``number_operand``),
-for dtypes that compute in their own precision (see ``_number_operand``).
 - ``CallCopy``: the fallback for everything else: run the op, copy its fresh outputs into place.
 
+Two rewrites come before the public forms, for dtypes whose arithmetic computes in the dtype
+itself (fp32, fp64, int32, int64): a CPU ``mean`` tries ``SumThenDivide`` (the kernel sequence
+ATen's own CPU ``mean`` runs, minus its per-call conversion of the count), and arithmetic with a
+Python-number operand (``x * 2``, ``x.add_(eps)``) tries the same call with the number passed as
+a 0-dim tensor of that dtype (``number_operand``; see ``_number_operand``).
+
 Invariant: a candidate is used only if it computes the same function as the op by construction
-(same operator name, or a copy for a copy-like op, or a fill for a data-independent factory)
-*and* reproduced the op's capture-time result bit for bit; otherwise the next one is tried. One
-sample cannot prove two different functions equal, which is why candidates are never arbitrary.
+(same operator name, or a copy for a copy-like op, or a fill for a data-independent factory, or
+one of the two rewrites, each ATen's own definition of the op) *and* reproduced the op's
+capture-time result bit for bit; otherwise the next one is tried. One sample cannot prove two
+different functions equal, which is why candidates are never arbitrary.
 """
 
 from __future__ import annotations
