@@ -255,7 +255,7 @@ def plan_functional(
 ) -> Plan:
     """Plan for an op that reads its inputs and writes fresh outputs (indices ``fresh``)."""
     fallback = CallCopy(_op_callable(func), fresh)
-    if len(fresh) != len(outs) or not all(_dense(o) for o in outs):
+    if len(fresh) != len(outs) or not all(map(_dense, outs)):
         return fallback
     key = signature(func, args, kwargs, outs)
     if key is not None and key in cache:
