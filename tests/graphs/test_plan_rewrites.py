@@ -121,15 +121,21 @@ def test_number_is_passed_as_a_tensor_only_where_the_dtype_computes_in_itself(
 def test_mean_replays_like_eager(
     shape: list[int], data: st.DataObject, keepdim: bool, dtype: torch.dtype, seed: int
 ) -> None:
-    dims = data.draw(st.sets(st.integers(0, len(shape) - 1), min_size=1), label="dims")
+    dims = data.draw(
+        st.none() | st.sets(st.integers(0, len(shape) - 1), min_size=1), label="dims (None: all)"
+    )
+
+    def mean(x: torch.Tensor) -> torch.Tensor:
+        return x.mean() if dims is None else x.mean(dim=sorted(dims), keepdim=keepdim)
+
     generator = torch.Generator().manual_seed(seed)
     x = (torch.randn(shape, generator=generator, dtype=torch.float64) * 100).to(dtype)
     with torch.inference_mode():
         with BreakableCapture(TapeBackend()) as capture:
-            out = x.mean(dim=sorted(dims), keepdim=keepdim)
+            out = mean(x)
         x.copy_(torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype))
         capture.replay()
-        assert _same_bits(out, x.mean(dim=sorted(dims), keepdim=keepdim))
+        assert _same_bits(out, mean(x))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
