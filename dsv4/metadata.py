@@ -89,11 +89,15 @@ def _host_rows(
     return rows + [0] * pad, slots + [-1] * pad, positions + [0] * pad
 
 
+def _check_row(chunk: ScheduledChunk, max_rows: int) -> None:
+    if not 0 <= chunk.row < max_rows:
+        raise ValueError(f"row {chunk.row} outside the block table's {max_rows} rows")
+
+
 def _host_table(chunks: Sequence[ScheduledChunk], max_rows: int, max_blocks: int) -> torch.Tensor:
     table = torch.zeros(max_rows, max_blocks, dtype=torch.int64)
     for chunk in chunks:
-        if not 0 <= chunk.row < max_rows:
-            raise ValueError(f"row {chunk.row} outside the block table's {max_rows} rows")
+        _check_row(chunk, max_rows)
         ids = chunk.block_ids[:max_blocks]
         table[chunk.row, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
     return table
@@ -164,8 +168,7 @@ class MetadataBuffers:
         )
 
     def _write_table_row(self, chunk: ScheduledChunk) -> None:
-        if not 0 <= chunk.row < self.max_rows:
-            raise ValueError(f"row {chunk.row} outside the block table's {self.max_rows} rows")
+        _check_row(chunk, self.max_rows)
         ids = chunk.block_ids[: self.max_blocks]
         if self._table_rows.get(chunk.row) == ids:
             return

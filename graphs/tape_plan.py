@@ -135,11 +135,10 @@ def _mean_count(name: str, args: tuple[Any, ...], outs: Sequence[torch.Tensor]) 
     if name != "mean" or len(outs) != 1 or not args or not isinstance(args[0], torch.Tensor):
         return None
     source, out = args[0], outs[0]
-    if out.device.type != "cpu" or out.dtype != source.dtype or out.dtype not in _OWN_PRECISION:
+    floating_own_precision = out.dtype in (torch.float32, torch.float64)
+    if out.device.type != "cpu" or out.dtype != source.dtype or not floating_own_precision:
         return None
-    if out.numel() == 0 or not out.dtype.is_floating_point:
-        return None
-    return source.numel() // out.numel()
+    return source.numel() // out.numel() if out.numel() else None
 
 
 def _number_operand(

@@ -149,13 +149,12 @@ class Recorder(TorchDispatchMode):
                 return func._op_dk(_COMPOSITE, *args, **kwargs)
         name, mutating, inplace_view = _traits(func)
         with torch._C._DisableTorchDispatch():  # no mode sees the checks (cheaper than popping)
-            # a mutating op's plan-cache key, taken once, before the op runs
-            key = signature(func, args, kwargs) if mutating and not inplace_view else None
-            before = (
-                inplace_copies(func, args, kwargs, key, self.plan_cache)
-                if mutating and not inplace_view
-                else {}
-            )
+            key: tuple[Any, ...] | None = None
+            before: dict[int, torch.Tensor] = {}
+            if mutating and not inplace_view:
+                # a mutating op's plan-cache key, taken once, before the op runs
+                key = signature(func, args, kwargs)
+                before = inplace_copies(func, args, kwargs, key, self.plan_cache)
         result = func(*args, **kwargs)
         self.num_ops += 1
         outs = tensors_of(result)
