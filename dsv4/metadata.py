@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-__all__ = ["AttentionMetadata", "MetadataBuffers", "ScheduledChunk", "new_metadata"]
+__all__ = ["AttentionMetadata", "MetadataBuffers", "ScheduledChunk", "new_metadata", "stage_into"]
 
 
 @attrs.frozen(kw_only=True)
@@ -123,6 +123,15 @@ def new_metadata(
     return metadata, torch.tensor(positions, dtype=torch.int64, device=device)
 
 
+def stage_into(destination: torch.Tensor, host: torch.Tensor) -> None:
+    """Copy ``host`` into ``destination``; on a GPU from pinned memory without blocking (the
+    caching host allocator keeps the pinned block until the copy has run)."""
+    if destination.is_cuda:
+        destination.copy_(host.pin_memory(), non_blocking=True)
+    else:
+        destination.copy_(host)
+
+
 class MetadataBuffers:
     """Persistent metadata buffers rewritten in place every step (address-stable)."""
 
@@ -157,9 +166,9 @@ class MetadataBuffers:
         )
         for chunk in chunks:
             self._write_table_row(chunk)
-        self.token_request[:num_tokens].copy_(per_token[0])
-        self.slot_mapping[:num_tokens].copy_(per_token[1])
-        positions_out[:num_tokens].copy_(per_token[2])
+        stage_into(self.token_request[:num_tokens], per_token[0])
+        stage_into(self.slot_mapping[:num_tokens], per_token[1])
+        stage_into(positions_out[:num_tokens], per_token[2])
         return AttentionMetadata(
             token_request=self.token_request[:num_tokens],
             slot_mapping=self.slot_mapping[:num_tokens],
@@ -173,6 +182,6 @@ class MetadataBuffers:
         if self._table_rows.get(chunk.row) == ids:
             return
         row = self.block_table[chunk.row]
-        row[: len(ids)].copy_(torch.tensor(ids, dtype=torch.int64))
+        stage_into(row[: len(ids)], torch.tensor(ids, dtype=torch.int64))
         row[len(ids) :].zero_()
         self._table_rows[chunk.row] = ids

@@ -51,13 +51,14 @@ class AuditFinding:
     dtype: str
     allocated_at: str
     location: str
+    consequence: str = "replay would use stale memory"
 
     @property
     def message(self) -> str:
         return (
             f"captured {self.op} {self.access} a {list(self.shape)} {self.dtype} tensor "
             f"allocated {self.allocated_at}; it is not produced by captured work, not a module "
-            f"parameter and not registered static memory, so replay would use stale memory "
+            f"parameter and not registered static memory, so {self.consequence} "
             f"(at {self.location})"
         )
 
@@ -135,6 +136,27 @@ def _accessed(
                 yield v, access
 
 
+def _tensor_leaves(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``value``, through tuples, lists, dict values and attrs instances."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensor_leaves(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensor_leaves(v)
+    elif attrs.has(type(value)):
+        for field in attrs.fields(type(value)):
+            yield from _tensor_leaves(getattr(value, field.name))
+
+
+_EAGER_ARGUMENT_CONSEQUENCE = (
+    "every replay would re-run the break on its capture-time value, which a CUDA graph holds "
+    "only by address (it may dangle once freed); pass static memory or captured outputs"
+)
+
+
 def _touches_data(func: torch._ops.OpOverload) -> bool:
     touches = _touching.get(func)
     if touches is None:
@@ -206,7 +228,22 @@ class CaptureAudit(TorchDispatchMode):
                 self._eager.add(t, site)
         return result
 
-    def _check(self, func: torch._ops.OpOverload, tensor: torch.Tensor, access: str) -> None:
+    def check_eager_arguments(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """Check the tensors an eager break is called with (inside containers and attrs values)
+        as captured reads are checked: each must be stable across replays."""
+        name = f"eager break {getattr(fn, '__qualname__', repr(fn))}"
+        for tensor in _tensor_leaves((args, kwargs)):
+            self._check(name, tensor, "is called with", _EAGER_ARGUMENT_CONSEQUENCE)
+
+    def _check(
+        self,
+        func: torch._ops.OpOverload | str,
+        tensor: torch.Tensor,
+        access: str,
+        consequence: str | None = None,
+    ) -> None:
         key = storage_key(tensor)
         if key in self._stable or key in self._static:
             return
@@ -224,6 +261,7 @@ class CaptureAudit(TorchDispatchMode):
             dtype=str(tensor.dtype).removeprefix("torch."),
             allocated_at=self._allocated_at(tensor),
             location=location,
+            **({} if consequence is None else {"consequence": consequence}),
         )
         if self.mode == "raise":
             raise CaptureAuditError(finding.message)

@@ -5,15 +5,64 @@ replayable segment. Replaying a segment re-executes exactly that work against th
 with every host-side decision (shapes, Python scalars, branch outcomes) frozen as it was at
 capture — as a CUDA graph does. Eager segments are not the backend's business: the capture runs
 them itself, between a segment's end and the next one's beginning.
+
+What every backend shares with CUDA graphs (DESIGN §4):
+- Recording is not execution: right after ``end_segment`` the memory the segment produced holds
+  junk (stale pool bytes on CUDA, NaN or an out-of-range integer on the tape) until the segment
+  is replayed, and memory it wrote from outside still holds what it held before.
+- A pool outlives none of its graphs' uses: once every graph recorded into a pool is gone, the
+  pool is *retired* and never recorded into again (``PoolGraphs``); ``begin_segment`` raises
+  ``CaptureError`` for a retired pool on every backend.
+- A failed ``begin_segment``, ``end_segment`` or ``abort_segment`` leaves the backend not
+  recording (and, on CUDA, the caller's stream current), so the next attempt can begin.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 from typing_extensions import Protocol, runtime_checkable
 
-__all__ = ["GraphBackend", "GraphSegment"]
+from graphs.errors import CaptureError
+
+__all__ = ["GraphBackend", "GraphSegment", "PoolGraphs"]
+
+
+class PoolGraphs:
+    """The graphs recorded into one memory pool, to tell when the pool is retired.
+
+    Invariant: ``retired`` is true once at least one graph was recorded and none is alive any
+    more. CUDA's allocator asserts when a capture reuses such a pool while a block still lives in
+    it (``use_count > 0``); every backend refuses it outright, so the CPU shows the same error.
+    """
+
+    def __init__(self) -> None:
+        self._live: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._recorded = 0
+
+    def add(self, graph: Any) -> None:
+        """Note ``graph`` (weakly) as recorded into this pool."""
+        self._live.add(graph)
+        self._recorded += 1
+
+    @property
+    def retired(self) -> bool:
+        return self._recorded > 0 and not self._live
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    def require_recordable(self) -> None:
+        """Raise ``CaptureError`` if the pool is retired."""
+        if self.retired:
+            raise CaptureError(
+                f"this memory pool is retired: all {self._recorded} graph(s) recorded into it "
+                "are gone, and a pool is never recorded into again once its graphs are gone "
+                "(CUDA asserts use_count > 0); record into a fresh pool (a new backend)"
+            )
 
 
 @runtime_checkable
@@ -59,4 +108,10 @@ class GraphBackend(Protocol):
 
     def release(self, held: Any) -> Any:
         """Turn a held argument back into a value for an eager segment's replay."""
+        ...
+
+    def warm_up(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` once eagerly where segments will be captured (CUDA: on the capture stream,
+        so library workspaces created lazily by the first call on a stream are made outside any
+        graph's pool); a no-op where nothing is created lazily (the tape)."""
         ...

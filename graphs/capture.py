@@ -13,6 +13,11 @@ Invariants:
   them in that order. ``num_graphs`` and ``num_eager_breaks`` count them.
 - An eager segment re-runs its function with the very arguments it was captured with; its return
   value is discarded on replay, so eager work must write into caller-provided output buffers.
+- Recording is not execution (``graphs.backend``): right after a graph segment is recorded, what
+  it produced holds junk. So that eager code never runs on junk, the capture replays each graph
+  segment once right after recording it, before the eager break that follows runs — on every
+  backend. The last graph segment is not replayed: a capture's outputs hold junk until the first
+  ``replay()``.
 - With ``full=True`` breaks run inline and their work is captured (a FULL graph).
 - The capture is thread-local; entering one while another is active in the thread raises
   ``CaptureError``; leaving the context, normally or by exception, always clears it.
@@ -24,6 +29,11 @@ Invariants:
   by captured work, be a module parameter, or be registered in ``static``; other accesses raise
   ``CaptureAuditError`` or are collected in ``audit_report`` (see ``graphs.audit``). The audit is
   a dispatch mode active for the whole capture, eager segments included, beneath the backend's.
+  It also checks every tensor an eager break is called with: one that captured work did not
+  produce and that is neither static nor a parameter would be replayed as its capture-time value
+  (and, held by address on CUDA, could dangle) — a finding naming it and where it was allocated.
+- Nothing the capture hands out refers back to it (no reference cycle), so a capture and its
+  graphs are freed as soon as the last reference to the capture goes.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ from typing import Any, TypeVar
 
 import attrs
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from graphs import _active
 from graphs.allocations import AllocationTracker
@@ -80,6 +91,19 @@ def backend_for_device(device: torch.device | str) -> GraphBackend:
     raise CaptureError(f"no graph backend for device type {device.type!r} (expected cpu or cuda)")
 
 
+class _Recording:
+    """Whether a graph segment is recording: shared with the audit without referring back to
+    the capture (a bound method of the capture would make a reference cycle)."""
+
+    __slots__ = ("on",)
+
+    def __init__(self) -> None:
+        self.on = False
+
+    def is_on(self) -> bool:
+        return self.on
+
+
 class BreakableCapture:
     """Context manager that records a forward pass into graph and eager segments."""
 
@@ -105,7 +129,7 @@ class BreakableCapture:
         self._audit_active = False
         self._inference_mode = False
         self._segments: list[GraphSegment | EagerSegment] = []
-        self._capturing = False
+        self._recording = _Recording()
         self._state = "new"  # new -> capturing -> done | failed
 
     # -- context ---------------------------------------------------------------------------
@@ -147,11 +171,16 @@ class BreakableCapture:
     # -- used by eager_break_during_capture -------------------------------------------------
     def breaks_here(self) -> bool:
         """True when a call to an eager break must become its own eager segment now."""
-        return self._capturing and not self.full
+        return self._recording.on and not self.full
 
     def add_eager(self, fn: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
-        """End the current graph segment, run ``fn`` for real, record it, begin the next one."""
-        self._end_graph()
+        """End the current graph segment, replay it so that its outputs hold what a replay gives,
+        run ``fn`` for real on them, record it, and begin the next graph segment."""
+        ended = self._end_graph()
+        if ended is not None:
+            self._replay_recorded(ended)
+        if self._audit is not None:
+            self._audit.check_eager_arguments(fn, args, kwargs)
         result = fn(*args, **kwargs)
         self._segments.append(
             EagerSegment(
@@ -185,7 +214,7 @@ class BreakableCapture:
     @property
     def capturing(self) -> bool:
         """True while a graph segment is recording (false inside an eager segment)."""
-        return self._capturing
+        return self._recording.on
 
     @property
     def segments(self) -> tuple[GraphSegment | EagerSegment, ...]:
@@ -217,7 +246,7 @@ class BreakableCapture:
             return
         self._audit = CaptureAudit(
             mode=self.audit_mode,
-            is_capturing=lambda: self._capturing,
+            is_capturing=self._recording.is_on,
             static=self.static,
             allocations=self._allocations,
         )
@@ -231,17 +260,24 @@ class BreakableCapture:
 
     def _begin_graph(self) -> None:
         self.backend.begin_segment()
-        self._capturing = True
+        self._recording.on = True
 
-    def _end_graph(self) -> None:
-        self._capturing = False
+    def _end_graph(self) -> GraphSegment | None:
+        self._recording.on = False
         segment = self.backend.end_segment()
         if segment is not None:
             self._segments.append(segment)
+        return segment
+
+    def _replay_recorded(self, segment: GraphSegment) -> None:
+        """Run a just-recorded segment once, unseen by the audit, so that the eager break after
+        it reads what every replay will give it instead of what recording left (junk)."""
+        with _disable_current_modes(), torch.inference_mode(self._inference_mode):
+            segment.replay()
 
     def _abort(self) -> None:
-        if self._capturing:
-            self._capturing = False
+        if self._recording.on:
+            self._recording.on = False
             self.backend.abort_segment()
         self._segments.clear()
         self._state = "failed"

@@ -1,13 +1,22 @@
 """``CudaGraphBackend``: graph segments recorded as ``torch.cuda.CUDAGraph`` objects.
 
 Invariants:
-- Every segment of every capture recorded by one backend instance shares one memory pool (the
-  platform's pool when one is passed), so captures of several sizes reuse the same memory, as the
-  engine the seed is from does when it captures largest size first.
-- Segments are captured on a side stream of the backend's device; a segment that issued no
-  kernel-producing op is dropped instead of becoming an empty CUDA graph.
-- Eager-segment tensor arguments on the GPU are held by non-owning aliases: the graph pool keeps
-  their memory reserved for replay, and holding them must not keep it allocated otherwise.
+- Every segment of every capture recorded by one backend instance shares one memory pool
+  (``CudaGraphPool``), so captures of several sizes reuse the same memory when captured largest
+  size first. A retired pool (all its graphs gone) is never recorded into again: torch's
+  allocator would assert ``use_count > 0`` if a block still lived in it.
+- Segments are captured on a side stream of the backend's device; ``warm_up`` runs eager work on
+  that same stream first, so library workspaces created lazily per (handle, stream) — cuBLAS's,
+  hipBLASLt's — are created outside every graph's pool. A segment that issued no ATen op is
+  dropped instead of becoming an empty CUDA graph.
+- ``begin_segment``, ``end_segment`` and ``abort_segment`` are exception-safe: the backend's
+  state is stored only once capture has begun, and the caller's stream is current again after
+  any of them, whatever raised.
+- Eager-segment tensor arguments that a segment of this backend produced live in the graph pool,
+  which keeps them reserved for replay: they are held by non-owning aliases, built once at
+  capture, so holding them does not keep pool blocks allocated. Every other argument is held
+  strongly, so none can dangle (the capture audit reports such arguments all the same: replay
+  would re-run the break on their capture-time value).
 """
 
 from __future__ import annotations
@@ -19,17 +28,36 @@ import attrs
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from graphs._tensor_refs import tensors_of
+from graphs.backend import PoolGraphs
 from graphs.errors import BackendUnavailableError, CaptureError
 
-__all__ = ["CudaGraphBackend", "CudaGraphSegment"]
+__all__ = ["CudaGraphBackend", "CudaGraphPool", "CudaGraphSegment"]
 
 
-class _OpCounter(TorchDispatchMode):
-    """Counts ATen ops issued while a segment records, to drop segments that did no work."""
+class CudaGraphPool:
+    """A CUDA graph memory pool handle and the graphs recorded into it."""
 
     def __init__(self) -> None:
+        self.handle = torch.cuda.graph_pool_handle()
+        self.graphs = PoolGraphs()
+
+    @property
+    def nbytes(self) -> None:
+        """Unknown: torch reports no per-pool byte count."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"CudaGraphPool(handle={self.handle}, live_graphs={self.graphs.num_live})"
+
+
+class _SegmentWatch(TorchDispatchMode):
+    """Counts the ATen ops a segment issues and notes the storages their outputs live in."""
+
+    def __init__(self, produced: set[int]) -> None:
         super().__init__()
         self.count = 0
+        self.produced = produced
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -44,7 +72,10 @@ class _OpCounter(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         self.count += 1
-        return func(*args, **(kwargs or {}))
+        result = func(*args, **(kwargs or {}))
+        for t in tensors_of(result):
+            self.produced.add(t.untyped_storage().data_ptr())
+        return result
 
 
 @attrs.frozen
@@ -57,38 +88,15 @@ class CudaGraphSegment:
         self.graph.replay()
 
 
-@attrs.frozen
-class _WeakTensor:
-    """A non-owning alias of a GPU tensor, rebuilt into a tensor at replay."""
-
-    data_ptr: int
-    nbytes: int
-    dtype: torch.dtype
-    device: torch.device
-    offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> _WeakTensor:
-        storage = tensor.untyped_storage()
-        return cls(
-            data_ptr=storage.data_ptr(),
-            nbytes=storage.nbytes(),
-            dtype=tensor.dtype,
-            device=tensor.device,
-            offset=int(tensor.storage_offset()),
-            size=tuple(tensor.shape),
-            stride=tuple(tensor.stride()),
-        )
-
-    def tensor(self) -> torch.Tensor:
-        storage = torch._C._construct_storage_from_data_pointer(
-            self.data_ptr, self.device, self.nbytes
-        )
-        alias = torch.empty(0, dtype=self.dtype, device=self.device)
-        alias.set_(storage, self.offset, self.size, self.stride)
-        return alias
+def _non_owning_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``tensor``'s memory that does not keep that memory allocated."""
+    storage = tensor.untyped_storage()
+    memory = torch._C._construct_storage_from_data_pointer(
+        storage.data_ptr(), tensor.device, storage.nbytes()
+    )
+    alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    alias.set_(memory, tensor.storage_offset(), tensor.shape, tensor.stride())
+    return alias
 
 
 def _map_members(value: Any, fn: Callable[[Any], Any]) -> Any:
@@ -112,61 +120,90 @@ class CudaGraphBackend:
 
     name = "cuda-graph"
 
-    def __init__(self, *, device: torch.device | str = "cuda", pool: Any = None) -> None:
+    def __init__(
+        self, *, device: torch.device | str = "cuda", pool: CudaGraphPool | None = None
+    ) -> None:
         if not torch.cuda.is_available():
             raise BackendUnavailableError(
                 "the CUDA graph backend needs a CUDA GPU and none is available on this machine; "
                 "use the tape backend (device 'cpu') or simulate the platform"
             )
         self.device = torch.device(device)
-        self._pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self._pool = pool if pool is not None else CudaGraphPool()
         self._stream = torch.cuda.Stream(device=self.device)
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self._graph_ctx: torch.cuda.graph | None = None
-        self._counter: _OpCounter | None = None
+        self._produced: set[int] = set()
+        """Data pointers of storages this backend's segments produced (all in its pool)."""
+        self._recording: tuple[torch.cuda.CUDAGraph, Any, _SegmentWatch] | None = None
 
     @property
-    def pool(self) -> Any:
+    def pool(self) -> CudaGraphPool:
         return self._pool
 
-    def begin_segment(self) -> None:
-        if self._graph is not None:
-            raise CaptureError("a CUDA graph segment is already recording on this backend")
+    def warm_up(self, fn: Callable[[], Any]) -> None:
+        caller = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(caller)
+        with torch.cuda.stream(self._stream):
+            fn()
+        caller.wait_stream(self._stream)
         torch.cuda.synchronize(self.device)
-        self._graph = torch.cuda.CUDAGraph()
-        self._graph_ctx = torch.cuda.graph(self._graph, pool=self._pool, stream=self._stream)
-        self._graph_ctx.__enter__()
-        self._counter = _OpCounter()
-        self._counter.__enter__()
+
+    def begin_segment(self) -> None:
+        if self._recording is not None:
+            raise CaptureError("a CUDA graph segment is already recording on this backend")
+        self._pool.graphs.require_recordable()
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.stream(self._stream)
+        stream.__enter__()
+        try:
+            graph.capture_begin(pool=self._pool.handle)
+        except BaseException:
+            stream.__exit__(None, None, None)
+            raise
+        watch = _SegmentWatch(self._produced)
+        watch.__enter__()
+        self._recording = (graph, stream, watch)
 
     def end_segment(self) -> CudaGraphSegment | None:
-        graph, issued = self._stop(None)
-        return CudaGraphSegment(graph) if issued else None
+        graph, issued = self._stop(aborting=False)
+        if not issued:
+            return None
+        segment = CudaGraphSegment(graph)
+        self._pool.graphs.add(segment)
+        return segment
 
     def abort_segment(self) -> None:
-        if self._graph is not None:
-            self._stop(CaptureError("capture aborted"))
+        if self._recording is not None:
+            self._stop(aborting=True)
 
     def hold(self, value: Any) -> Any:
-        """GPU tensors become non-owning aliases, also inside containers and attrs values."""
-        if isinstance(value, torch.Tensor) and value.is_cuda:
-            return _WeakTensor.of(value)
+        """GPU tensors a segment produced become non-owning aliases (also inside containers and
+        attrs values); everything else is held as it is."""
+        if isinstance(value, torch.Tensor):
+            if value.is_cuda and value.untyped_storage().data_ptr() in self._produced:
+                return _non_owning_alias(value)
+            return value
         return _map_members(value, self.hold)
 
     def release(self, held: Any) -> Any:
-        if isinstance(held, _WeakTensor):
-            return held.tensor()
-        return _map_members(held, self.release)
+        return held
 
-    def _stop(self, exc: BaseException | None) -> tuple[torch.cuda.CUDAGraph, bool]:
-        graph, ctx, counter = self._graph, self._graph_ctx, self._counter
-        if graph is None or ctx is None or counter is None:
+    def _stop(self, *, aborting: bool) -> tuple[torch.cuda.CUDAGraph, bool]:
+        if self._recording is None:
             raise CaptureError("no CUDA graph segment is recording on this backend")
-        self._graph = self._graph_ctx = self._counter = None
-        counter.__exit__(None, None, None)
-        exc_type = type(exc) if exc is not None else None
-        ctx.__exit__(exc_type, exc, None)
-        return graph, counter.count > 0
+        graph, stream, watch = self._recording
+        self._recording = None
+        try:
+            watch.__exit__(None, None, None)
+            try:
+                graph.capture_end()
+            except RuntimeError:
+                if not aborting:
+                    raise
+                # an aborted capture may be invalidated already; ending it is all that matters
+        finally:
+            stream.__exit__(None, None, None)
+        return graph, watch.count > 0
 
     def __repr__(self) -> str:
-        return f"CudaGraphBackend(device={self.device})"
+        return f"CudaGraphBackend(device={self.device}, pool={self._pool!r})"

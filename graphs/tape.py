@@ -27,11 +27,17 @@ Invariants:
   backend's shared arena (``graphs.tape_memory``); the tape keeps alive only what the program
   still holds, the arena, constants and copies of literals. ``TapeSegment.memory`` reports the
   bytes.
+- Recording is not execution, as on CUDA (``graphs.tape_stale``): when a segment ends, the
+  tensors it produced hold junk and the outside memory it wrote holds its prior bytes, until the
+  segment is replayed. This is always on; nothing switches it off.
+- A retired pool (all its graphs gone, ``graphs.backend.PoolGraphs``) is never recorded into
+  again; a failed segment leaves the backend not recording.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,6 +49,7 @@ from graphs.tape_memory import SegmentMemory, TapePool
 from graphs.tape_ops import Step
 from graphs.tape_plan import PlanCache
 from graphs.tape_record import Recorder
+from graphs.tape_stale import fill_junk
 
 __all__ = ["TapeBackend", "TapeSegment"]
 
@@ -90,28 +97,43 @@ class TapeBackend:
     def begin_segment(self) -> None:
         if self._recorder is not None:
             raise CaptureError("the tape is already recording a segment; end it first")
+        self._pool.graphs.require_recordable()
         recorder = Recorder(self._plan_cache)
         recorder.__enter__()
         self._recorder = recorder
 
     def end_segment(self) -> TapeSegment | None:
         recorder = self._stop()
-        if recorder.num_ops == 0:
-            return None
         with _disable_current_modes(), torch.inference_mode():
+            recorder.outside_writes.restore()
+            if recorder.num_ops == 0:
+                return None
             compiler = Compiler(recorder, self._pool)
             steps = compiler.steps()
-        return TapeSegment(steps, compiler.memory, recorder.num_ops)
+            for key, info in recorder.storages.items():
+                if key in compiler.homes or key in compiler.constants:
+                    continue
+                storage = info.weak.get()
+                if storage is not None:
+                    fill_junk(storage, info.dtype)
+        segment = TapeSegment(steps, compiler.memory, recorder.num_ops)
+        self._pool.graphs.add(segment)
+        return segment
 
     def abort_segment(self) -> None:
         with contextlib.suppress(CaptureError):
-            self._stop()
+            recorder = self._stop()
+            with _disable_current_modes():
+                recorder.outside_writes.restore()
 
     def hold(self, value: Any) -> Any:
         return value
 
     def release(self, held: Any) -> Any:
         return held
+
+    def warm_up(self, fn: Callable[[], Any]) -> None:
+        """Nothing to warm up: the tape creates nothing lazily on a first call."""
 
     def _stop(self) -> Recorder:
         recorder = self._recorder

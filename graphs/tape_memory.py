@@ -28,6 +28,8 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from graphs.backend import PoolGraphs
+
 __all__ = ["ALIGNMENT", "Lifetime", "SegmentMemory", "TapePool", "plan_offsets"]
 
 ALIGNMENT = 64
@@ -118,6 +120,8 @@ class TapePool:
 
     def __init__(self) -> None:
         self._arenas: dict[torch.device, torch.UntypedStorage] = {}
+        self.graphs = PoolGraphs()
+        """The segments recorded into this pool (a retired pool is never recorded into)."""
 
     def arena(self, device: torch.device, nbytes: int) -> torch.UntypedStorage:
         """An arena of at least ``nbytes`` on ``device`` (the current one if large enough)."""

@@ -17,6 +17,9 @@ Invariants:
   index touching it (its lifetime within the segment) and its largest size.
 - ``written`` holds every storage a recorded op wrote; ``factory_outputs`` holds factory and
   literal outputs strongly until the segment ends, to decide which of them are constants.
+- ``outside_writes`` holds the prior bytes of every storage from outside the segment that an op
+  is about to write, taken before its first write, so the segment's end can undo the writes
+  recording made (``graphs.tape_stale``: recording is not execution).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from graphs.tape_plan import (
     plan_mutating,
     signature,
 )
+from graphs.tape_stale import OutsideWrites
 
 __all__ = ["Record", "Recorder", "StorageInfo"]
 
@@ -84,12 +88,14 @@ def _is_factory(name: str, tensors: list[torch.Tensor]) -> bool:
 class StorageInfo:
     """A storage allocated inside the recording segment."""
 
-    __slots__ = ("device", "first", "last", "nbytes", "weak")
+    __slots__ = ("device", "dtype", "first", "last", "nbytes", "weak")
 
-    def __init__(self, storage: torch.UntypedStorage, first: int) -> None:
+    def __init__(self, storage: torch.UntypedStorage, dtype: torch.dtype, first: int) -> None:
         self.weak = WeakStorage(storage)
         self.nbytes = storage.nbytes()
         self.device = storage.device
+        self.dtype = dtype
+        """The dtype of the op output that allocated it (what its junk is written as)."""
         self.first = first
         self.last = first
 
@@ -122,6 +128,7 @@ class Recorder(TorchDispatchMode):
         self.storages: dict[int, StorageInfo] = {}
         self.num_ops = 0
         self.written: set[int] = set()
+        self.outside_writes = OutsideWrites()
         self.factory_outputs: dict[int, torch.UntypedStorage] = {}
         """Factory and literal outputs, held until the segment ends to see if they are
         constants: never written after creation and referenced by nothing but the tape."""
@@ -151,10 +158,17 @@ class Recorder(TorchDispatchMode):
         with torch._C._DisableTorchDispatch():  # no mode sees the checks (cheaper than popping)
             key: tuple[Any, ...] | None = None
             before: dict[int, torch.Tensor] = {}
+            mutated: list[torch.Tensor] = []
             if mutating and not inplace_view:
                 # a mutating op's plan-cache key, taken once, before the op runs
                 key = signature(func, args, kwargs)
                 before = inplace_copies(func, args, kwargs, key, self.plan_cache)
+                mutated = [
+                    t for t in mutated_arguments(func, args, kwargs) if isinstance(t, torch.Tensor)
+                ]
+                for t in mutated:
+                    if storage_key(t) not in self.storages:
+                        self.outside_writes.save(t)
         result = func(*args, **kwargs)
         self.num_ops += 1
         outs = tensors_of(result)
@@ -169,11 +183,7 @@ class Recorder(TorchDispatchMode):
         if inplace_view or (not mutating and len(fresh) == 0):
             return result  # a view: nothing to replay, later uses snapshot its metadata
         if mutating:
-            self.written.update(
-                storage_key(t)
-                for t in mutated_arguments(func, args, kwargs)
-                if isinstance(t, torch.Tensor)
-            )
+            self.written.update(storage_key(t) for t in mutated)
         with torch._C._DisableTorchDispatch():  # no mode sees the checks (cheaper than popping)
             plan = self._plan(func, name, args, kwargs, tensors, outs, fresh, before, mutating, key)
         if plan is not None:
@@ -218,7 +228,7 @@ class Recorder(TorchDispatchMode):
     def _allocated(self, t: torch.Tensor, index: int) -> None:
         key = storage_key(t)
         if key not in self.storages:
-            self.storages[key] = StorageInfo(t.untyped_storage(), index)
+            self.storages[key] = StorageInfo(t.untyped_storage(), t.dtype, index)
 
     def _ref(self, x: torch.Tensor, index: int) -> TensorRef:
         key = storage_key(x)

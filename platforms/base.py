@@ -2,15 +2,16 @@
 
 A platform is a *policy object*. It answers four questions the resolution asks (DESIGN §3) —
 is it available here, which eager region does it require, which architectures does it exclude
-from the ``ModelRunnerV2`` default, and why — and it supplies the graph backend and the memory
-pool every capture on it shares.
+from the ``ModelRunnerV2`` default, and why — and it supplies graph backends, each recording
+into a memory pool of its own.
 
 Invariants:
 - Nothing here is resolved or cached at import time or process-wide: every default that depends
   on the platform is a method or property of the platform object, so two platform objects in one
   process never see each other's answers and tests never clear a cache.
-- The memory pool is created on first use and held by the platform object; every backend it
-  hands out records into that one pool (captures of several sizes reuse memory).
+- Every backend ``graph_backend()`` hands out records into a fresh pool of its own: captures of
+  one runner (several sizes) share it, two runners never do, and a pool whose graphs are all
+  gone is never recorded into again (a runner that drops its graphs takes a new backend).
 - A platform whose device is missing can still be inspected and resolved (``dsv4 explain`` works
   for every platform on any machine); asking it for a backend raises
   ``PlatformUnavailableError``. ``simulate(platform)`` runs the same policy on the CPU.
@@ -20,7 +21,6 @@ Invariants:
 from __future__ import annotations
 
 import abc
-import functools
 from typing import Any
 
 import torch
@@ -85,22 +85,16 @@ class Platform(abc.ABC):
     # -- memory and graph backend ----------------------------------------------------------------
     @abc.abstractmethod
     def create_memory_pool(self) -> Any:
-        """Create the pool every capture on this platform shares (called once per object)."""
+        """Create a fresh memory pool (one per backend ``graph_backend`` hands out)."""
 
     @abc.abstractmethod
     def create_graph_backend(self, pool: Any) -> GraphBackend:
         """Create a graph backend that records into ``pool``."""
 
-    @functools.cached_property
-    def memory_pool(self) -> Any:
-        """This platform object's pool, created on first use (never shared across objects)."""
-        self.require_available()
-        return self.create_memory_pool()
-
     def graph_backend(self) -> GraphBackend:
-        """A graph backend for this platform, recording into its shared memory pool."""
+        """A new graph backend for this platform, recording into a fresh memory pool."""
         self.require_available()
-        return self.create_graph_backend(self.memory_pool)
+        return self.create_graph_backend(self.create_memory_pool())
 
     @property
     def device(self) -> torch.device:

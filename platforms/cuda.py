@@ -19,8 +19,10 @@ __all__ = ["CudaPlatform", "cuda_graph_backend", "cuda_graph_pool"]
 
 
 def cuda_graph_pool() -> Any:
-    """A fresh CUDA graph memory pool handle (shared by every capture of one platform)."""
-    return torch.cuda.graph_pool_handle()
+    """A fresh CUDA graph memory pool (shared by every capture of one backend)."""
+    from graphs.cuda_backend import CudaGraphPool
+
+    return CudaGraphPool()
 
 
 def cuda_graph_backend(device: torch.device, pool: Any) -> GraphBackend:

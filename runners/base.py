@@ -15,6 +15,12 @@ Invariants:
   ``runners.captured``); replays see the real metadata only where the runner's metadata is
   address-stable (V2) or read eagerly (V1's wide region). The capture audit checks exactly that.
 - The forward context (metadata, batch descriptor, runtime mode) is set for exactly one step.
+- The runner's graphs share one backend and its memory pool; the pool is fresh per runner, and
+  the runner takes a new backend (a fresh pool) whenever its pool is retired — after
+  ``clear_graphs`` or a failed first capture — since a pool is never recorded into again once
+  its graphs are gone. Graphs are captured largest size first (also when captured lazily), so
+  smaller captures reuse the pool memory of larger ones.
+- Host inputs reach the device through ``stage_into`` (pinned, non-blocking on a GPU).
 - FULL graphs serve uniform-decode batches only; mixed batches never run under FULL.
 - Subclasses differ only in how metadata is built (``_write_metadata``) and which metadata memory
   is static (``_static_metadata``); the region each requires is a class attribute.
@@ -30,8 +36,9 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from dsv4.cache import allocate_kv_caches
-from dsv4.metadata import AttentionMetadata, ScheduledChunk
+from dsv4.metadata import AttentionMetadata, ScheduledChunk, stage_into
 from graphs.audit import AuditFinding, AuditMode
+from graphs.backend import GraphBackend, PoolGraphs
 from graphs.forward_context import ForwardContext, forward_context
 from graphs.strategies import EagerRegionStrategy
 from platforms.base import Platform
@@ -160,14 +167,15 @@ class ModelRunner(abc.ABC):
             mode, padded = CUDAGraphMode.NONE, num_tokens
         graph = None if mode is CUDAGraphMode.NONE else self._graph(mode, padded)
         flat = [t for ids in token_ids for t in ids]
-        self.input_ids[:num_tokens].copy_(torch.tensor(flat, dtype=torch.int64))
+        stage_into(self.input_ids[:num_tokens], torch.tensor(flat, dtype=torch.int64))
         self.input_ids[num_tokens:padded].zero_()
         ctx = ForwardContext(
             attn_metadata=self._write_metadata(chunks, padded),
             batch_descriptor=BatchDescriptor(num_tokens=padded, uniform_decode=uniform),
             runtime_mode=mode,
         )
-        ends = torch.tensor(_last_token_indices(chunks), device=self.device)
+        ends = torch.empty(len(chunks), dtype=torch.int64, device=self.device)
+        stage_into(ends, torch.tensor(_last_token_indices(chunks), dtype=torch.int64))
         with forward_context(ctx), torch.inference_mode():
             if graph is None:
                 logits = self.model(self.input_ids[:padded], self.positions[:padded])
@@ -193,8 +201,14 @@ class ModelRunner(abc.ABC):
                     on_captured(mode, size, time.perf_counter() - start)
 
     def clear_graphs(self) -> None:
-        """Drop every captured graph; later steps capture again."""
+        """Drop every captured graph; later steps capture again, into a fresh pool."""
         self._graphs.clear()
+        self._backend = self.platform.graph_backend()
+
+    @property
+    def graph_backend(self) -> GraphBackend:
+        """The backend (and so the memory pool) the runner's graphs are recorded with."""
+        return self._backend
 
     @property
     def captured(self) -> tuple[GraphKey, ...]:
@@ -240,20 +254,29 @@ class ModelRunner(abc.ABC):
 
     # -- internals -------------------------------------------------------------------------------
     def _graph(self, mode: CUDAGraphMode, size: int) -> CapturedGraph:
+        """The graph for (``mode``, ``size``); captured now if missing, after every missing
+        larger size of ``mode`` (largest first, so smaller graphs reuse their pool memory)."""
         key = (mode, size)
         if key not in self._graphs:
-            self._graphs[key] = capture_step(
-                self.model,
-                mode=mode,
-                input_ids=self.input_ids[:size],
-                positions=self.positions[:size],
-                dummy_metadata=lambda: self._write_metadata((), size),
-                backend=self._backend,
-                static=self.static_memory,
-                audit=self.audit,
-                warmup=self.device.type == "cuda",
-            )
+            for larger in self.capture_sizes.largest_first():
+                if larger >= size and (mode, larger) not in self._graphs:
+                    self._graphs[(mode, larger)] = self._capture(mode, larger)
         return self._graphs[key]
+
+    def _capture(self, mode: CUDAGraphMode, size: int) -> CapturedGraph:
+        graphs = getattr(self._backend.pool, "graphs", None)
+        if isinstance(graphs, PoolGraphs) and graphs.retired:
+            self._backend = self.platform.graph_backend()
+        return capture_step(
+            self.model,
+            mode=mode,
+            input_ids=self.input_ids[:size],
+            positions=self.positions[:size],
+            dummy_metadata=lambda: self._write_metadata((), size),
+            backend=self._backend,
+            static=self.static_memory,
+            audit=self.audit,
+        )
 
     def _validate(
         self, chunks: Sequence[ScheduledChunk], token_ids: Sequence[Sequence[int]]

@@ -214,7 +214,7 @@ def eager_step_peak_bytes(runner: ModelRunner, num_tokens: int) -> int:
 def captures_held_bytes(runner: ModelRunner) -> int | None:
     """Bytes held by every capture of ``runner``: its backend's arena plus what each segment
     retains and keeps as constants; ``None`` where segments do not report memory (CUDA)."""
-    pool_bytes = getattr(runner.platform.memory_pool, "nbytes", None)
+    pool_bytes = getattr(runner.graph_backend.pool, "nbytes", None)
     if pool_bytes is None:
         return None
     held = int(pool_bytes)

@@ -6,8 +6,11 @@ Invariants:
   about a metadata tensor names the line that allocated it.
 - The static memory of a runner is its input buffers, its KV caches, its persistent metadata (V2
   only) and every parameter and buffer of the model, each registered under a readable name.
-- ``CapturedGraph.logits`` is the tensor the capture's last segment writes; it is valid right
-  after ``replay()`` and may be overwritten by any later replay on the same pool.
+- The step runs once eagerly first, through ``backend.warm_up`` (on CUDA on the capture stream,
+  so lazily created library workspaces land outside the graph pool).
+- ``CapturedGraph.logits`` is the tensor the capture's last segment writes; it holds junk right
+  after capture (recording is not execution), is valid right after ``replay()``, and may be
+  overwritten by any later replay on the same pool.
 """
 
 from __future__ import annotations
@@ -69,13 +72,10 @@ def capture_step(
     backend: GraphBackend,
     static: StaticMemory,
     audit: AuditMode,
-    warmup: bool,
 ) -> CapturedGraph:
     """Capture ``model(input_ids, positions)`` under ``mode`` with dummy metadata.
 
-    ``dummy_metadata`` fills the positions and returns all-padding metadata; ``warmup`` runs the
-    step once eagerly first (on CUDA, library handles are created lazily and cannot be created
-    inside a graph).
+    ``dummy_metadata`` fills the positions and returns all-padding metadata.
     """
     size = int(input_ids.shape[0])
     input_ids.zero_()
@@ -90,8 +90,7 @@ def capture_step(
         runtime_mode=mode,
     )
     with forward_context(ctx), torch.inference_mode():
-        if warmup:
-            model(input_ids, positions)
+        backend.warm_up(lambda: model(input_ids, positions))
         with BreakableCapture(
             backend,
             full=mode is CUDAGraphMode.FULL,

@@ -26,7 +26,7 @@ def test_peak_counts_storages_alive_together_and_forgets_freed_ones() -> None:
 def test_captures_hold_their_arena_and_less_than_twice_an_eager_step() -> None:
     torch.set_num_threads(1)
     runner = build_engine(EngineSpec(capture_sizes=(1, 2, 4))).runner
-    pool = runner.platform.memory_pool
+    pool = runner.graph_backend.pool
     runner.capture()
     held = captures_held_bytes(runner)
     assert held is not None and held > pool.nbytes > 0

@@ -74,12 +74,16 @@ def test_dispatch_pads_captures_on_demand_and_runs_eagerly_above_the_largest_siz
     got, expected = run(runner, STEPS), run(eager, STEPS)
     for g, e in zip(got, expected, strict=True):
         assert g.shape == e.shape and float((g - e).abs().max()) <= 1e-5
-    assert runner.captured == ((PIECEWISE, 4), (FULL, 2))
-    # The model ran forward for two captures and one eager step; replays do not call it.
+    # A lazy capture takes every missing larger size of its mode first (largest first, as
+    # ahead-of-time capture does), so smaller graphs reuse the pool memory of larger ones.
+    assert runner.captured == ((PIECEWISE, 4), (FULL, 4), (FULL, 2))
+    # The model ran forward once per capture (the tape needs no warm-up) and once for the
+    # eager step; replays do not call it.
     observed = [(c.batch_descriptor, c.runtime_mode) for c in seen]
     assert observed == [
         (BatchDescriptor(num_tokens=4, uniform_decode=False), PIECEWISE),
         (BatchDescriptor(num_tokens=6, uniform_decode=False), NONE),
+        (BatchDescriptor(num_tokens=4, uniform_decode=True), FULL),
         (BatchDescriptor(num_tokens=2, uniform_decode=True), FULL),
     ]
     # The last step wrote two tokens into the persistent metadata; nothing else is live.
@@ -91,7 +95,8 @@ def test_dispatch_pads_captures_on_demand_and_runs_eagerly_above_the_largest_siz
 def test_full_graphs_serve_only_uniform_decode_batches() -> None:
     runner = build_runner(resolve_on(runner="v2", mode="FULL_DECODE_ONLY"))
     run(runner, STEPS)
-    assert runner.captured == ((FULL, 2),)  # mixed batches ran eagerly, never under FULL
+    # mixed batches ran eagerly, never under FULL; size 4 is captured before size 2
+    assert runner.captured == ((FULL, 4), (FULL, 2))
     with pytest.raises(ValueError, match="uniform-decode batches only"):
         ModelRunnerV2(fresh_model(), platform=runner.platform, layout=LAYOUT, mixed_mode=FULL)
     with pytest.raises(ValueError, match="must be NONE, PIECEWISE or FULL"):
