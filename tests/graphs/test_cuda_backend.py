@@ -107,3 +107,101 @@ def test_eager_arguments_are_held_member_by_member() -> None:
         return v * 2 if isinstance(v, int) else _map_members(v, double)
 
     assert _map_members(value, double) == (2, [4, {"k": 6}], Pair(8, 10), Prepared(q=12))
+
+
+@pytest.mark.cuda
+def test_an_eager_break_at_capture_sees_replayed_values_on_the_gpu() -> None:
+    """Recording is not execution: without the capture-time replay the break would read stale
+    pool bytes."""
+    x = torch.arange(8, device="cuda", dtype=torch.float32)
+    seen: list[torch.Tensor] = []
+
+    @eager_break_during_capture
+    def observe(y: torch.Tensor) -> None:
+        seen.append(y.clone())
+
+    backend = CudaGraphBackend(device="cuda")
+    backend.warm_up(lambda: observe(x + 1))
+    seen.clear()
+    with BreakableCapture(backend):
+        observe(x + 1)
+    torch.cuda.synchronize()
+    assert torch.equal(seen[0].cpu(), torch.arange(8, dtype=torch.float32) + 1)
+
+
+@pytest.mark.cuda
+def test_a_retired_pool_is_refused_on_the_gpu() -> None:
+    import gc
+
+    from graphs import CaptureError
+
+    backend = CudaGraphBackend(device="cuda")
+    x = torch.ones(4, device="cuda")
+    gc.disable()
+    try:
+        with BreakableCapture(backend) as capture:
+            _ = x * 2
+        del capture
+        assert backend.pool.graphs.retired
+        with pytest.raises(CaptureError, match="retired"), BreakableCapture(backend):
+            _ = x * 3
+    finally:
+        gc.enable()
+
+
+@pytest.mark.cuda
+def test_a_failed_begin_or_end_restores_the_callers_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    backend = CudaGraphBackend(device="cuda")
+    caller = torch.cuda.current_stream()
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.cuda.CUDAGraph, "capture_begin", _raise_runtime_error)
+        with pytest.raises(RuntimeError, match="injected"):
+            backend.begin_segment()
+    assert torch.cuda.current_stream() == caller
+    backend.begin_segment()  # not stuck "already recording"
+    _ = torch.ones(4, device="cuda") * 2
+    real_end = torch.cuda.CUDAGraph.capture_end
+
+    def end_then_fail(graph: torch.cuda.CUDAGraph) -> None:
+        real_end(graph)  # the capture really ends; only the report fails
+        raise RuntimeError("injected")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.cuda.CUDAGraph, "capture_end", end_then_fail)
+        with pytest.raises(RuntimeError, match="injected"):
+            backend.end_segment()
+    assert torch.cuda.current_stream() == caller
+
+
+def _raise_runtime_error(*args: object, **kwargs: object) -> None:
+    raise RuntimeError("injected")
+
+
+@pytest.mark.cuda
+def test_warm_up_runs_on_the_capture_stream() -> None:
+    backend = CudaGraphBackend(device="cuda")
+    streams: list[torch.cuda.Stream] = []
+    backend.warm_up(lambda: streams.append(torch.cuda.current_stream()))
+    assert streams == [backend._stream]
+    assert torch.cuda.current_stream() != backend._stream
+
+
+@pytest.mark.cuda
+def test_eager_arguments_from_the_pool_are_aliases_and_others_are_held() -> None:
+    backend = CudaGraphBackend(device="cuda")
+    outside = torch.ones(4, device="cuda")
+    held: list[object] = []
+
+    @eager_break_during_capture
+    def step(a: torch.Tensor, b: torch.Tensor) -> None:
+        pass
+
+    with BreakableCapture(backend) as capture:
+        produced = outside * 2
+        step(produced, outside)
+    (eager,) = [s for s in capture.segments if not hasattr(s, "graph")]
+    held.extend(eager.held_args)  # type: ignore[attr-defined]
+    assert held[1] is outside  # held strongly: cannot dangle
+    assert held[0] is not produced and held[0].data_ptr() == produced.data_ptr()  # type: ignore[attr-defined]

@@ -237,9 +237,7 @@ def test_eager_arguments_from_captured_work_static_memory_or_parameters_pass() -
     def combine(y: torch.Tensor, inputs: tuple[torch.Tensor, ...], weight: torch.Tensor) -> None:
         torch.add(y, inputs[0] @ weight, out=out)
 
-    capture, _ = _capture(
-        lambda: combine(x * 2, (x,), layer.weight), static=static, audit="report"
-    )
+    capture, _ = _capture(lambda: combine(x * 2, (x,), layer.weight), static=static, audit="report")
     assert capture.audit_report.ok
 
 
