@@ -1,4 +1,4 @@
-"""Progress lines on stderr, shown only when stdout is a terminal and JSON was not asked for."""
+"""Progress lines on stderr, shown only when stderr is a terminal (never in redirected logs)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ class Progress:
 
     @classmethod
     def for_terminal(cls, *, json_output: bool) -> Progress:
-        return cls(enabled=sys.stdout.isatty() and not json_output)
+        return cls(enabled=sys.stderr.isatty() and not json_output)
 
     def update(self, message: str) -> None:
         if not self.enabled:

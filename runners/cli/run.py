@@ -17,6 +17,7 @@ from typing import Any
 from runners.cli.errors import UsageError
 from runners.cli.options import add_model_options, add_policy_options, parse_int_list, parse_prompts
 from runners.cli.progress import Progress
+from runners.cli.values import at_least, non_negative_float, probability
 
 __all__ = ["add_arguments", "execute", "render"]
 
@@ -33,12 +34,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prompts.add_argument(
         "--prompt", action="append", metavar="TEXT", help="a prompt as text (repeatable)"
     )
-    prompts.add_argument("--max-new-tokens", type=int, default=16, help="default: 16")
+    prompts.add_argument("--max-new-tokens", type=at_least(1), default=16, help="default: 16")
     prompts.add_argument(
-        "--temperature", type=float, default=0.0, help="0 (default) is greedy decoding"
+        "--temperature",
+        type=non_negative_float,
+        default=0.0,
+        help="0 (default) is greedy decoding",
     )
-    prompts.add_argument("--top-k", type=int, default=0, help="0 (default) keeps every token")
-    prompts.add_argument("--top-p", type=float, default=1.0, help="1.0 (default) is off")
+    prompts.add_argument(
+        "--top-k", type=at_least(0), default=0, help="0 (default) keeps every token"
+    )
+    prompts.add_argument("--top-p", type=probability, default=1.0, help="1.0 (default) is off")
     prompts.add_argument("--seed", type=int, default=None, help="sampling seed")
     prompts.add_argument(
         "--ignore-eos", action="store_true", help="keep generating after the EOS token"

@@ -1,0 +1,41 @@
+"""Ctrl-C at any moment of ``dsv4 run`` — start-up imports, capture, generation — is one line on
+stderr and exit code 130, never a traceback."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+DSV4 = shutil.which("dsv4", path=str(Path(sys.executable).parent))
+
+
+def _restore_default_sigint() -> None:
+    # A child inherits an ignored SIGINT (e.g. under a backgrounded CI shell); Python then never
+    # raises KeyboardInterrupt. Give the child the terminal's default, as a person's shell does.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("delay", [0.2, 1.2, 2.5], ids=["importing", "starting", "running"])
+def test_ctrl_c_at_any_moment_is_one_line(delay: float) -> None:
+    assert DSV4 is not None
+    command = [DSV4, "run", "--platform", "cpu", "--ignore-eos", "--max-new-tokens", "400"]
+    command += ["--prompt", "Hello"] * 8
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_restore_default_sigint,
+    )
+    time.sleep(delay)
+    assert process.poll() is None, "the run ended before it could be interrupted"
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130
+    assert err == "dsv4 run: interrupted\n"
