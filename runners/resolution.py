@@ -108,10 +108,11 @@ def resolve(
     env = os.environ if environ is None else environ
     runner_cls, runner_reason = _runner(architecture, plat, runner, env)
     reasons.append(runner_reason)
-    decode, mixed = _modes(plat, runner_cls, cudagraph_mode, reasons)
+    asked = _asked_region(eager_region)
+    decode, mixed = _modes(plat, runner_cls, cudagraph_mode, asked, reasons)
     required, why = _required_region(plat, runner_cls, (decode, mixed))
     reasons.append(f"eager region {required} required by {why}")
-    region, unsafe = _region(eager_region, required, why, unsafe_region, reasons)
+    region, unsafe = _region(asked, required, why, unsafe_region, reasons)
     return Resolution(
         architecture=architecture,
         platform=plat,
@@ -172,8 +173,13 @@ def _modes(
     platform: Platform,
     runner: type[ModelRunner],
     requested: CUDAGraphMode | str | None,
+    region: EagerRegionStrategy | None,
     reasons: list[str],
 ) -> tuple[CUDAGraphMode, CUDAGraphMode]:
+    """The basic modes of decode and mixed batches. ``region`` is the eager region the user
+    asked for (``None``: auto): ``no-graph`` keeps the attention layers out of every graph, so
+    it downgrades FULL decode graphs too; any other explicit region leaves them FULL, with a
+    reason saying that the region applies to PIECEWISE graphs only."""
     if requested is None or (isinstance(requested, str) and requested.strip().lower() in _AUTO):
         mode = DEFAULT_CUDAGRAPH_MODE
         reasons.append(f"cudagraph mode {mode.name}: the default")
@@ -198,7 +204,31 @@ def _modes(
             f"decode batches: FULL downgraded to PIECEWISE: {who} requires the {base} region "
             f"({why}), and a full graph has no eager region"
         )
+    elif decode is CUDAGraphMode.FULL and region == NoGraph():
+        decode = CUDAGraphMode.PIECEWISE
+        reasons.append(
+            f"decode batches: FULL downgraded to PIECEWISE: eager region {region} was asked "
+            "for, and a full graph would capture the attention layers"
+        )
+    elif decode is CUDAGraphMode.FULL and region is not None:
+        reasons.append(
+            f"decode batches: FULL graphs capture whole steps; eager region {region} applies "
+            "to PIECEWISE graphs"
+        )
     return decode, mixed
+
+
+def _asked_region(requested: EagerRegionStrategy | str | None) -> EagerRegionStrategy | None:
+    """The region the caller asked for, or ``None`` for the default (``auto``)."""
+    if requested is None or isinstance(requested, EagerRegionStrategy):
+        return requested
+    name = requested.strip().lower()
+    if name in _AUTO:
+        return None
+    try:
+        return strategy_from_name(name)
+    except ValueError as exc:
+        raise UnknownEagerRegionError(str(exc)) from None
 
 
 _Requirement = tuple[EagerRegionStrategy, str, str]
@@ -235,21 +265,14 @@ def _required_region(
 
 
 def _region(
-    requested: EagerRegionStrategy | str | None,
+    asked: EagerRegionStrategy | None,
     required: EagerRegionStrategy,
     why: str,
     unsafe: bool,
     reasons: list[str],
 ) -> tuple[EagerRegionStrategy, bool]:
-    if requested is None or (isinstance(requested, str) and requested.strip().lower() in _AUTO):
+    if asked is None:
         return required, False
-    if isinstance(requested, str):
-        try:
-            asked = strategy_from_name(requested.strip().lower())
-        except ValueError as exc:
-            raise UnknownEagerRegionError(str(exc)) from None
-    else:
-        asked = requested
     if asked.covers(required):
         if asked != required:
             reasons.append(f"eager region {asked}: widened from {required} by request")

@@ -129,6 +129,24 @@ def test_a_wider_region_is_allowed_and_recorded() -> None:
     assert resolve(DSV4, "rocm", eager_region="no-graph", environ=NO_ENV).eager_region == NoGraph()
 
 
+def test_the_no_graph_region_keeps_attention_out_of_full_graphs_too() -> None:
+    r = resolve(DSV4, "cuda", eager_region="no-graph", environ=NO_ENV)
+    assert r.decode_mode is CUDAGraphMode.PIECEWISE and r.eager_region == NoGraph()
+    assert any(
+        "FULL downgraded to PIECEWISE: eager region no-graph was asked for" in reason
+        for reason in r.reasons
+    )
+
+
+def test_an_explicit_region_says_full_decode_graphs_ignore_it() -> None:
+    r = resolve(DSV4, "cuda", eager_region="wide", environ=NO_ENV)
+    assert r.decode_mode is CUDAGraphMode.FULL
+    assert (
+        "decode batches: FULL graphs capture whole steps; eager region wide applies to "
+        "PIECEWISE graphs" in r.reasons
+    )
+
+
 def test_switching_platform_objects_needs_no_cache_clearing() -> None:
     """The same process resolves CUDA, ROCm, CUDA again: each answer is the platform's own."""
     runners = [
