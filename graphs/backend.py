@@ -99,15 +99,12 @@ class GraphBackend(Protocol):
         ...
 
     def hold(self, value: Any) -> Any:
-        """Return how an eager segment's argument is held until replay.
+        """How an eager segment keeps ``value`` (one of its arguments) for every replay; built
+        once, at capture, and passed to the segment's function as it is on each replay.
 
-        On the tape this is the value itself; on CUDA tensors are held without keeping graph
-        memory alive. ``release(hold(v))`` must give back a value usable as ``v``.
+        On the tape this is the value itself; on CUDA tensors in the graph pool become
+        non-owning aliases (the pool keeps their memory reserved), everything else is kept.
         """
-        ...
-
-    def release(self, held: Any) -> Any:
-        """Turn a held argument back into a value for an eager segment's replay."""
         ...
 
     def warm_up(self, fn: Callable[[], Any]) -> None:

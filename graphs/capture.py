@@ -65,12 +65,10 @@ class EagerSegment:
     fn: Callable[..., Any]
     held_args: tuple[Any, ...]
     held_kwargs: dict[str, Any]
-    backend: GraphBackend
+    """The arguments as the backend holds them (``GraphBackend.hold``), built once at capture."""
 
     def replay(self) -> None:
-        args = tuple(self.backend.release(a) for a in self.held_args)
-        kwargs = {k: self.backend.release(v) for k, v in self.held_kwargs.items()}
-        self.fn(*args, **kwargs)
+        self.fn(*self.held_args, **self.held_kwargs)
 
     @property
     def label(self) -> str:
@@ -187,7 +185,6 @@ class BreakableCapture:
                 fn=fn,
                 held_args=tuple(self.backend.hold(a) for a in args),
                 held_kwargs={k: self.backend.hold(v) for k, v in kwargs.items()},
-                backend=self.backend,
             )
         )
         self._begin_graph()

@@ -185,8 +185,6 @@ class CudaGraphBackend:
             return value
         return _map_members(value, self.hold)
 
-    def release(self, held: Any) -> Any:
-        return held
 
     def _stop(self, *, aborting: bool) -> tuple[torch.cuda.CUDAGraph, bool]:
         if self._recording is None:

@@ -88,7 +88,7 @@ def test_segments_of_one_backend_share_one_pool() -> None:
 
 
 def test_eager_arguments_are_held_member_by_member() -> None:
-    """hold/release reach tensors inside tuples, named tuples, lists, dicts and attrs values."""
+    """hold reaches tensors inside tuples, named tuples, lists, dicts and attrs values."""
     import collections
 
     import attrs
