@@ -185,7 +185,6 @@ class CudaGraphBackend:
             return value
         return _map_members(value, self.hold)
 
-
     def _stop(self, *, aborting: bool) -> tuple[torch.cuda.CUDAGraph, bool]:
         if self._recording is None:
             raise CaptureError("no CUDA graph segment is recording on this backend")

@@ -129,7 +129,6 @@ class TapeBackend:
     def hold(self, value: Any) -> Any:
         return value
 
-
     def warm_up(self, fn: Callable[[], Any]) -> None:
         """Nothing to warm up: the tape creates nothing lazily on a first call."""
 

@@ -1,6 +1,9 @@
 """Measurements behind ``dsv4 bench``: decode-step latency, capture cost, generation throughput.
 
 Method (every figure the README quotes is taken this way):
+- Every interval is measured by ``timed``: work queued on the device before it is drained first,
+  and the interval ends when the device has finished what the timed work queued (CUDA events on
+  a GPU, the host's clock on the CPU), so no configuration is charged for another's kernels.
 - Decode latency: one runner per configuration (eager, FULL, PIECEWISE narrow, PIECEWISE wide),
   each over its own copy of the same weights. For each thread count and batch size the same
   requests are prefilled in every runner, then single decode steps are timed *interleaved* —
@@ -8,20 +11,22 @@ Method (every figure the README quotes is taken this way):
   median per configuration is reported with ratios taken from those medians.
 - Capture: seconds per captured (mode, size), and bytes held by all captures of a runner: the
   backend's shared arena, plus what each tape segment retains (storages the program still holds)
-  and keeps as constants (``TapeSegment.memory``). Compared with the peak of an eager step of the
-  largest captured size: live bytes of every storage an op allocates during the step, sampled
-  after every op (``eager_step_peak_bytes``); storages made outside the step (weights, caches,
-  persistent buffers) are not counted, as captures do not hold them either.
+  and keeps as constants (``TapeSegment.memory``); unknown (``None``) where the pool reports no
+  size, as CUDA's does. Compared with the peak of an eager step of the largest captured size:
+  live bytes of every storage an op allocates during the step, sampled after every op
+  (``eager_step_peak_bytes``); storages made outside the step (weights, caches, persistent
+  buffers) are not counted, as captures do not hold them either.
 - Generation: greedy tokens per second of the engine (graphs captured beforehand) against
   ``transformers``' ``generate`` on the same weights and prompts, alternating rounds, medians.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import torch
@@ -44,7 +49,11 @@ __all__ = [
     "decode_latency",
     "eager_step_peak_bytes",
     "engine_throughput",
+    "synchronize",
+    "timed",
 ]
+
+T = TypeVar("T")
 
 DECODE_CONFIGS: dict[str, tuple[str, str, str]] = {
     # name: (runner, graph mode, eager region)
@@ -80,6 +89,35 @@ class GenerationThroughput:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until ``device`` has run every kernel queued on it (the CPU queues none)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(work: Callable[[], T], device: torch.device) -> tuple[T, float]:
+    """``work()``'s result and the seconds it took on ``device``, its queued kernels included.
+
+    Work queued earlier is drained first, so none of it is charged here. On a ``cuda`` device
+    (ROCm's included) the interval is a pair of timing events recorded around ``work`` on the
+    current stream and read after synchronising: from when the device reached the first to when
+    it had run everything ``work`` queued before the second. On the CPU, where ``work`` runs to
+    completion before returning, it is the host's ``perf_counter``.
+    """
+    synchronize(device)
+    if device.type != "cuda":
+        start = time.perf_counter()
+        result = work()
+        return result, time.perf_counter() - start
+    begin = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    begin.record()
+    result = work()
+    end.record()
+    synchronize(device)
+    return result, begin.elapsed_time(end) / 1e3
 
 
 def _prefill(runner: ModelRunner, batch: int, prompt_len: int) -> list[ScheduledChunk]:
@@ -123,9 +161,9 @@ def decode_latency(
                 for round_index in range(repeats):
                     shift = round_index % len(names)
                     for name in names[shift:] + names[:shift]:
-                        start = time.perf_counter()
-                        runners[name].execute(chunks[name], ids)
-                        samples[name].append(time.perf_counter() - start)
+                        runner = runners[name]
+                        step = functools.partial(runner.execute, chunks[name], ids)
+                        samples[name].append(timed(step, runner.device)[1])
                 results.append(
                     DecodeLatency(
                         threads=count,
@@ -154,12 +192,12 @@ def decode_runners(
 def capture_cost(runner: ModelRunner, held_bytes: Callable[[], int | None]) -> CaptureCost:
     """Capture every size of ``runner`` (not yet captured), timing each graph."""
     timings: list[tuple[str, int, float]] = []
-    start = time.perf_counter()
-    runner.capture(lambda mode, size, seconds: timings.append((mode.name, size, seconds)))
+    _, seconds = timed(
+        lambda: runner.capture(lambda mode, size, s: timings.append((mode.name, size, s))),
+        runner.device,
+    )
     return CaptureCost(
-        seconds_per_graph=tuple(timings),
-        total_seconds=time.perf_counter() - start,
-        held_bytes=held_bytes(),
+        seconds_per_graph=tuple(timings), total_seconds=seconds, held_bytes=held_bytes()
     )
 
 
@@ -239,9 +277,7 @@ def engine_throughput(
     outputs = engine.llm.generate(prompts, params)
 
     def round_() -> GenerationThroughput:
-        start = time.perf_counter()
-        result = engine.llm.generate(prompts, params)
-        seconds = time.perf_counter() - start
+        result, seconds = timed(lambda: engine.llm.generate(prompts, params), engine.runner.device)
         return GenerationThroughput(tokens=sum(len(o.output_ids) for o in result), seconds=seconds)
 
     return round_, [list(o.output_ids) for o in outputs]

@@ -9,9 +9,12 @@ Invariants:
 - The scheduler is deterministic, so two runs that sample the same tokens issue the same steps;
   logits are compared step by step for as long as the steps agree, and ``max_abs_diff`` is the
   largest difference seen there.
+- Logits are compared on the CPU in float32, whatever device each run used.
 - ``status`` is exactly one of ``equal`` (same tokens, logits within tolerance), ``mismatch``,
   ``refused`` (the resolution refused the combination) or ``audit-error`` (the capture audit
   reported an unstable read).
+- The tolerance, unless a caller overrides it, is ``equality_tolerance`` of the device and dtype
+  the runs used: defined there once.
 """
 
 from __future__ import annotations
@@ -31,9 +34,49 @@ from runners.errors import ResolutionError
 from runners.resolution import Resolution
 from runners.serving import EngineSpec, build_engine
 
-__all__ = ["Comparison", "RecordingExecutor", "Status", "Trace", "compare_to_eager", "run_trace"]
+__all__ = [
+    "Comparison",
+    "RecordingExecutor",
+    "Status",
+    "Trace",
+    "compare_to_eager",
+    "equality_tolerance",
+    "judge",
+    "run_configuration",
+    "run_trace",
+]
 
 StepKey = tuple[tuple[int, int, int], ...]
+
+_HALF_PRECISION_TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 5e-2}
+_FULL_PRECISION = (torch.float32, torch.float64)
+
+
+def equality_tolerance(device_type: str, dtype: torch.dtype) -> float:
+    """Largest logit difference from eager that still counts as equal, for a model of ``dtype``
+    run on ``device_type`` (a torch device type; ROCm builds of torch report ``cuda``).
+
+    The rule:
+    - float32 (and float64) on ``cpu``: 1e-5. The CPU runs graphs with the op tape, which
+      replays the very kernels eager calls; what is left is reduction order changed by padding
+      a batch to a captured size (measured on the built-in model: at most 3.0e-6).
+    - float32 (and float64) on any other device: 1e-3. A padded graph and an unpadded eager step
+      have different shapes, and cuBLAS/hipBLAS and the attention kernels are chosen by shape
+      (split-K, other tilings, TF32 where it is allowed), so sums are reordered and their
+      rounding differs: far more than the tape's, though still well below 1e-3 for logits of a
+      few units (not yet measured on a GPU: a first figure, to be tightened from one).
+    - float16: 1e-2 and bfloat16: 5e-2, on every device: activations rounded to 11 or 8
+      significant bits (an ulp of about 1e-3 and 8e-3 at magnitude 1) turn any reordering into
+      whole ulps, which the layers accumulate (measured on the built-in model on the CPU, logits
+      up to 4: float16 3.9e-3, bfloat16 0). The bounds are absolute: they assume logits of a few
+      units, as the built-in model's; larger logits have proportionally larger ulps.
+    Any other dtype raises ``ValueError``: it has no agreed tolerance.
+    """
+    if dtype in _HALF_PRECISION_TOLERANCE:
+        return _HALF_PRECISION_TOLERANCE[dtype]
+    if dtype not in _FULL_PRECISION:
+        raise ValueError(f"no equality tolerance is defined for logits of a {dtype} model")
+    return 1e-5 if device_type == "cpu" else 1e-3
 
 
 class Status(enum.Enum):
@@ -88,10 +131,17 @@ class Trace:
     """What one run produced: tokens per prompt and the logits of every step."""
 
     resolution: Resolution
+    dtype: torch.dtype
+    """The least precise floating-point dtype of the model's parameters."""
     outputs: tuple[tuple[int, ...], ...]
     steps: tuple[tuple[StepKey, torch.Tensor], ...]
     num_graphs: int
     num_eager_breaks: int
+
+    @property
+    def tolerance(self) -> float:
+        """``equality_tolerance`` of the device and dtype this run used."""
+        return equality_tolerance(self.resolution.platform.device_type, self.dtype)
 
 
 @attrs.frozen(kw_only=True)
@@ -119,6 +169,7 @@ def run_trace(
     outputs = llm.generate(prompts, params)
     return Trace(
         resolution=engine.resolution,
+        dtype=_floating_dtype(model),
         outputs=tuple(o.output_ids for o in outputs),
         steps=tuple(recorder.steps),
         num_graphs=engine.runner.num_graphs,
@@ -126,42 +177,45 @@ def run_trace(
     )
 
 
+def _floating_dtype(model: DeepseekV4ForCausalLM) -> torch.dtype:
+    """The least precise floating-point dtype among the model's parameters (float32 if none)."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return max(dtypes, key=lambda d: torch.finfo(d).eps, default=torch.float32)
+
+
 def _max_diff(a: Trace, b: Trace) -> float:
+    """Largest logit difference over the leading steps both runs took alike, on the CPU."""
     worst = 0.0
     for (key_a, logits_a), (key_b, logits_b) in zip(a.steps, b.steps, strict=False):
         if key_a != key_b:
             break
-        worst = max(worst, float((logits_a - logits_b).abs().max()))
+        diff = logits_a.to("cpu", torch.float32) - logits_b.to("cpu", torch.float32)
+        worst = max(worst, float(diff.abs().max()))
     return worst
 
 
-def compare_to_eager(
+def run_configuration(
     spec: EngineSpec,
     model: DeepseekV4ForCausalLM,
     prompts: Sequence[Sequence[int]],
     params: SamplingParams,
     *,
-    eager: Trace | None = None,
-    atol: float = 1e-5,
     max_num_batched_tokens: int | None = None,
-) -> Comparison:
-    """Run ``spec`` and compare it with ``eager`` (computed here when not given)."""
-    if eager is None:
-        eager = run_trace(
-            attrs.evolve(spec, cudagraph_mode="NONE", eager_region="auto", unsafe_region=False),
-            model,
-            prompts,
-            params,
-            max_num_batched_tokens=max_num_batched_tokens,
-        )
+) -> Trace | Comparison:
+    """The trace of ``spec``, or the verdict (refused or audit-error) that stopped it."""
     try:
-        trace = run_trace(
+        return run_trace(
             spec, model, prompts, params, max_num_batched_tokens=max_num_batched_tokens
         )
     except ResolutionError as exc:
         return Comparison(status=Status.REFUSED, detail=str(exc))
     except CaptureAuditError as exc:
         return Comparison(status=Status.AUDIT_ERROR, detail=str(exc))
+
+
+def judge(trace: Trace, eager: Trace, *, atol: float | None = None) -> Comparison:
+    """``trace`` against ``eager``: equal when both sampled the same tokens and their logits
+    differ by at most ``atol`` (default: the looser of the two runs' ``Trace.tolerance``)."""
     diff = _max_diff(trace, eager)
     if trace.outputs != eager.outputs:
         first = next(
@@ -174,6 +228,32 @@ def compare_to_eager(
             f"{list(eager.outputs[first])}",
             resolution=trace.resolution,
         )
-    status = Status.EQUAL if diff <= atol else Status.MISMATCH
-    detail = "" if status is Status.EQUAL else f"logits differ by {diff:.3g} > {atol:g}"
+    limit = max(trace.tolerance, eager.tolerance) if atol is None else atol
+    status = Status.EQUAL if diff <= limit else Status.MISMATCH
+    detail = "" if status is Status.EQUAL else f"logits differ by {diff:.3g} > {limit:g}"
     return Comparison(status=status, max_abs_diff=diff, detail=detail, resolution=trace.resolution)
+
+
+def compare_to_eager(
+    spec: EngineSpec,
+    model: DeepseekV4ForCausalLM,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    *,
+    eager: Trace | None = None,
+    atol: float | None = None,
+    max_num_batched_tokens: int | None = None,
+) -> Comparison:
+    """Run ``spec`` and ``judge`` it against ``eager`` (computed here when not given)."""
+    if eager is None:
+        eager = run_trace(
+            attrs.evolve(spec, cudagraph_mode="NONE", eager_region="auto", unsafe_region=False),
+            model,
+            prompts,
+            params,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+    outcome = run_configuration(
+        spec, model, prompts, params, max_num_batched_tokens=max_num_batched_tokens
+    )
+    return outcome if isinstance(outcome, Comparison) else judge(outcome, eager, atol=atol)

@@ -4,10 +4,14 @@ Decode-step latency of eager vs FULL vs PIECEWISE narrow and wide; capture time 
 memory held by captures; tokens per second of the engine (and of transformers' generate).
 Configurations are timed interleaved in one run and reported as medians and their ratios.
 
+Every interval waits for the device to finish the work it times (CUDA events on a GPU), and the
+output names the platform measured: --platform and --simulate choose it as for 'dsv4 run'.
+
 Examples:
   dsv4 bench                                  # built-in tiny model, batch 1,4,16, 1 and 2 threads
   dsv4 bench --vs-transformers --json         # also transformers' generate on the same weights
   dsv4 bench --checkpoint ./ckpt --batch-sizes 1 --threads 1
+  dsv4 bench --platform rocm --simulate       # ROCm's policy, run on the CPU tape
 """
 
 from __future__ import annotations
@@ -19,18 +23,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
 from runners.cli.errors import UsageError
-from runners.cli.options import parse_int_list
+from runners.cli.options import PLATFORM_HELP, SIMULATE_HELP, parse_int_list
 from runners.cli.progress import Progress
 
 if TYPE_CHECKING:
     from runners.benchmark import GenerationThroughput
+    from runners.serving import EngineSpec
 
 __all__ = ["add_arguments", "execute", "render"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", metavar="DIR", help="default: the built-in tiny model")
+    parser.add_argument("--platform", help=PLATFORM_HELP)
+    parser.add_argument("--simulate", action="store_true", help=SIMULATE_HELP)
     parser.add_argument(
         "--batch-sizes",
         type=parse_int_list,
@@ -70,51 +79,67 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def execute(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-
-    from runners.benchmark import (
-        capture_cost,
-        captures_held_bytes,
-        decode_latency,
-        decode_runners,
-        eager_step_peak_bytes,
-        engine_throughput,
-    )
-    from runners.serving import EngineSpec, build_engine, build_model
+    from runners.serving import EngineSpec
 
     _validate(args)
     progress = Progress.for_terminal(json_output=args.json)
-    checkpoint = Path(args.checkpoint) if args.checkpoint else None
-    spec = EngineSpec(
-        checkpoint=checkpoint, capture_sizes=tuple(sorted(set(args.batch_sizes) | {16}))
+    base = EngineSpec(
+        checkpoint=Path(args.checkpoint) if args.checkpoint else None,
+        platform=args.platform,
+        simulate=args.simulate,
     )
-    payload: dict[str, Any] = {"checkpoint": args.checkpoint, "method": _METHOD}
-
+    spec = attrs.evolve(base, capture_sizes=tuple(sorted(set(args.batch_sizes) | {16})))
     progress.update("capturing every default size")
-    torch.set_num_threads(1)
-    default_engine = build_engine(EngineSpec(checkpoint=checkpoint))
-    runner = default_engine.runner
-    cost = capture_cost(runner, functools.partial(captures_held_bytes, runner))
-    eager_runner = build_engine(EngineSpec(checkpoint=checkpoint, cudagraph_mode="NONE")).runner
-    peak = eager_step_peak_bytes(eager_runner, max(runner.capture_sizes.sizes))
-    payload["capture"] = {
-        "seconds_per_graph": [list(t) for t in cost.seconds_per_graph],
-        "total_s": round(cost.total_seconds, 4),
-        "held_bytes": cost.held_bytes,
-        "eager_step_peak_bytes": peak,
-        "held/eager_step_peak": None
-        if cost.held_bytes is None
-        else round(cost.held_bytes / peak, 3),
-    }
-    del default_engine, runner, eager_runner
-
-    progress.update("building runners")
-    runners = decode_runners(spec, lambda: build_model(spec))
+    payload: dict[str, Any] = {"checkpoint": args.checkpoint, **_capture(base)}
+    payload["method"] = _METHOD
     progress.update("timing decode steps")
+    payload["decode"] = _decode(spec, args)
+    progress.update("timing generation")
+    payload["generation"] = _generation(base, spec, args)
+    progress.done("benchmark done")
+    return payload
+
+
+def _capture(base: EngineSpec) -> dict[str, Any]:
+    """The platform measured, and the capture cost of every default size against an eager step."""
+    import torch
+
+    from runners.benchmark import capture_cost, captures_held_bytes, eager_step_peak_bytes
+    from runners.serving import build_engine
+
+    torch.set_num_threads(1)
+    engine = build_engine(base)
+    runner = engine.runner
+    cost = capture_cost(runner, functools.partial(captures_held_bytes, runner))
+    eager_runner = build_engine(attrs.evolve(base, cudagraph_mode="NONE")).runner
+    peak = eager_step_peak_bytes(eager_runner, max(runner.capture_sizes.sizes))
+    platform = engine.resolution.platform
+    return {
+        "platform": platform.name,
+        "simulated": platform.simulated,
+        "device": platform.device_type,
+        "capture": {
+            "seconds_per_graph": [list(t) for t in cost.seconds_per_graph],
+            "total_s": round(cost.total_seconds, 4),
+            "held_bytes": cost.held_bytes,
+            "eager_step_peak_bytes": peak,
+            "held/eager_step_peak": None
+            if cost.held_bytes is None
+            else round(cost.held_bytes / peak, 3),
+        },
+    }
+
+
+def _decode(spec: EngineSpec, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Median decode-step latency per configuration, thread count and batch size."""
+    from runners.benchmark import decode_latency, decode_runners
+    from runners.serving import build_model
+
+    runners = decode_runners(spec, lambda: build_model(spec))
     latencies = decode_latency(
         runners, batch_sizes=args.batch_sizes, threads=args.threads, repeats=args.repeats
     )
-    payload["decode"] = [
+    return [
         {
             "threads": row.threads,
             "batch_size": row.batch_size,
@@ -128,22 +153,26 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
         }
         for row in latencies
     ]
-    del runners
 
-    progress.update("timing generation")
+
+def _generation(base: EngineSpec, spec: EngineSpec, args: argparse.Namespace) -> dict[str, Any]:
+    """Generation tokens per second (median of rounds), and transformers' when asked."""
+    import torch
+
+    from runners.benchmark import engine_throughput
+    from runners.serving import build_model
+
     torch.set_num_threads(1)
     prompts = [
         [(11 * p + 3 * i) % 256 for i in range(8 + 4 * p)] for p in range(args.generate_prompts)
     ]
-    ours, our_tokens = engine_throughput(
-        EngineSpec(checkpoint=checkpoint), build_model(spec), prompts, args.max_new_tokens
-    )
+    ours, our_tokens = engine_throughput(base, build_model(spec), prompts, args.max_new_tokens)
     rounds: dict[str, list[float]] = {"engine": []}
     theirs: Callable[[], GenerationThroughput] | None = None
     if args.vs_transformers:
         from runners.hf_baseline import transformers_baseline
 
-        baseline = transformers_baseline(checkpoint, prompts, args.max_new_tokens)
+        baseline = transformers_baseline(base.checkpoint, prompts, args.max_new_tokens)
         theirs = baseline.round
         rounds["transformers"] = []
     for _ in range(args.rounds):
@@ -160,20 +189,28 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
         generation["ratio_engine/transformers"] = round(tps["engine"] / tps["transformers"], 3)
         generation["same_tokens_as_generate"] = our_tokens == baseline.generate_tokens
         generation["same_tokens_as_uncached_forward"] = our_tokens == baseline.uncached_tokens
-    payload["generation"] = generation
-    progress.done("benchmark done")
-    return payload
+    return generation
 
 
 _METHOD = (
     "decode: one runner per configuration over identical weights, the same requests prefilled "
-    "in each, single decode steps timed interleaved (rotating order), medians; generation: "
-    "greedy, graphs captured beforehand, alternating rounds, medians; one thread unless stated"
+    "in each, single decode steps timed interleaved (rotating order), each from a drained device "
+    "until the device finished it (CUDA events on a GPU), medians; generation: greedy, graphs "
+    "captured beforehand, alternating rounds, medians; one thread unless stated"
 )
 
 
+def _mib(nbytes: int | None) -> str:
+    """``nbytes`` in MiB, or ``n/a`` where the pool reports no size (``None``, as on CUDA)."""
+    return "n/a" if nbytes is None else f"{nbytes / 2**20:.1f} MiB"
+
+
 def render(payload: dict[str, Any]) -> str:
-    lines = ["decode-step latency, median us (ratios from the same run):"]
+    simulated = " (simulated on the CPU)" if payload["simulated"] else ""
+    lines = [
+        f"platform {payload['platform']}{simulated}, device {payload['device']}",
+        "decode-step latency, median us (ratios from the same run):",
+    ]
     lines.append(
         f"  {'threads':>7} {'batch':>5} {'eager':>9} {'full':>9} {'narrow':>9} {'wide':>9}"
         f"  {'full/eager':>10} {'narrow/wide':>11}"
@@ -186,11 +223,11 @@ def render(payload: dict[str, Any]) -> str:
             f" {r['narrow/wide']:>11.3f}"
         )
     cap = payload["capture"]
-    held = cap["held_bytes"]
+    ratio = cap["held/eager_step_peak"]
     lines.append(
-        f"capture: {len(cap['seconds_per_graph'])} graphs in {cap['total_s']:.2f}s"
-        + (f", {held / 2**20:.1f} MiB held by captures" if held is not None else "")
-        + f" ({cap['held/eager_step_peak']}x the {cap['eager_step_peak_bytes'] / 2**20:.1f} MiB"
+        f"capture: {len(cap['seconds_per_graph'])} graphs in {cap['total_s']:.2f}s, "
+        f"{_mib(cap['held_bytes'])} held by captures "
+        f"({'n/a' if ratio is None else f'{ratio}x'} the {_mib(cap['eager_step_peak_bytes'])}"
         " peak of an eager step of the largest size)"
     )
     gen = payload["generation"]

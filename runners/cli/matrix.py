@@ -2,10 +2,13 @@
 
 Each cell is one of: equal (same greedy tokens, logits within --atol of eager), refused (the
 resolution refuses the combination, with its reason), audit-error (the capture audit caught an
-unstable read) or mismatch, with the largest logit difference against eager. Platforms not
-available here are simulated on the CPU with the tape backend. Cells that resolve to the same
-runner, modes and region share one run.
-Example: dsv4 matrix --unsafe-region
+unstable read) or mismatch, with the largest logit difference against eager. Each platform is
+compared with an eager run of its own, on its own device; platforms not available here (every
+platform, with --simulate) are simulated on the CPU with the tape backend. Cells that resolve to
+the same device, runner, modes and region share one run.
+Examples:
+  dsv4 matrix --unsafe-region
+  dsv4 matrix --platform rocm --simulate --json
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from runners.cli.options import MODE_CHOICES, RUNNER_CHOICES, parse_int_list
+from runners.cli.options import MODE_CHOICES, RUNNER_CHOICES, SIMULATE_HELP, parse_int_list
 from runners.cli.progress import Progress
-from runners.cli.run import apply_threads
+from runners.cli.values import at_least
+from runners.threads import apply_threads
 
 if TYPE_CHECKING:
+    from runners.equivalence import Comparison, Trace
     from runners.serving import EngineSpec
 
 __all__ = ["add_arguments", "execute", "render"]
@@ -38,6 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--platform",
         action="append",
         help="platform to cover (repeatable; default: every registered platform)",
+    )
+    parser.add_argument(
+        "--simulate",
+        action="store_true",
+        help=f"{SIMULATE_HELP}, for every platform covered (one not available here always is)",
     )
     parser.add_argument(
         "--unsafe-region",
@@ -59,24 +69,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N,N,...",
         help="default: 1,2,4,8,16",
     )
-    parser.add_argument("--atol", type=float, default=1e-5, help="logit tolerance (1e-5)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--atol",
+        type=float,
+        default=None,
+        help="logit tolerance (default: per platform, from its device and the model's dtype: "
+        "1e-5 for float32 on the CPU, 1e-3 on a GPU, 1e-2 float16, 5e-2 bfloat16)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=at_least(1),
+        default=None,
+        help="torch CPU threads (default: 1 up to hidden size 512, else one per core)",
+    )
 
 
-def _platforms(names: list[str] | None) -> list[tuple[str, bool]]:
-    """(name, simulated) for each platform to cover."""
+Cell = tuple[str, bool, str, str, str]
+"""(platform, simulated, runner, eager region, graph mode)."""
+
+
+def _platforms(names: list[str] | None, *, simulate: bool) -> list[tuple[str, bool]]:
+    """(name, simulated) for each platform to cover: simulated if asked or not available here."""
     from platforms import get_platform, platform_names
 
-    chosen = names or list(platform_names())
-    return [(name, not get_platform(name).is_available()) for name in chosen]
+    chosen = list(dict.fromkeys(names or platform_names()))
+    return [(name, simulate or not get_platform(name).is_available()) for name in chosen]
 
 
 def execute(args: argparse.Namespace) -> dict[str, Any]:
     from runners.engine import SamplingParams
-    from runners.equivalence import Comparison, compare_to_eager, run_trace
+    from runners.equivalence import run_configuration, run_trace
     from runners.serving import EngineSpec, build_model
 
-    apply_threads(args.threads)
     progress = Progress.for_terminal(json_output=args.json)
     prompts = args.prompt_ids or [list(p) for p in DEFAULT_PROMPTS]
     params = SamplingParams(max_tokens=args.max_new_tokens)
@@ -85,15 +109,80 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
         checkpoint=Path(args.checkpoint) if args.checkpoint else None,
         capture_sizes=sizes,
         max_num_tokens=max(64, *sizes),
+        unsafe_region=args.unsafe_region,
     )
+    platforms = _platforms(args.platform, simulate=args.simulate)
     progress.update("loading model")
     model = build_model(base)
-    eager = run_trace(attrs.evolve(base, cudagraph_mode="NONE"), model, prompts, params)
-    cells: list[dict[str, Any]] = []
-    runs: dict[tuple[Any, ...], Comparison] = {}
-    combos = list(itertools.product(_platforms(args.platform), RUNNERS, REGIONS, MODES))
-    for index, ((platform, simulated), runner, region, mode) in enumerate(combos, 1):
-        progress.update(f"cell {index}/{len(combos)}: {platform} {runner} {region} {mode}")
+    apply_threads(args.threads, model.config.hidden_size)
+    references: dict[tuple[str, bool], Trace] = {}
+    for platform, simulated in platforms:
+        progress.update(f"eager reference on {_label(platform, simulated)}")
+        eager = attrs.evolve(
+            base, platform=platform, simulate=simulated, cudagraph_mode="NONE", unsafe_region=False
+        )
+        references[platform, simulated] = run_trace(eager, model, prompts, params)
+    cells: list[Cell] = [
+        (platform, simulated, runner, region, mode)
+        for (platform, simulated), runner, region, mode in itertools.product(
+            platforms, RUNNERS, REGIONS, MODES
+        )
+    ]
+    groups = _group_by_run(base, cells)
+    verdicts: dict[Cell, Comparison] = {}
+    for index, (spec, members) in enumerate(groups, 1):
+        progress.update(
+            f"run {index}/{len(groups)}: {_label(spec.platform, spec.simulate)} "
+            f"{spec.runner} {spec.eager_region} {spec.cudagraph_mode}"
+        )
+        outcome = run_configuration(spec, model, prompts, params)
+        for cell in members:
+            verdicts[cell] = _verdict(outcome, references[cell[0], cell[1]], args.atol)
+    progress.done(f"{len(cells)} cells, {len(groups)} distinct runs")
+    rows = [_cell_payload(cell, verdicts[cell]) for cell in cells]
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row["status"]] = counts.get(row["status"], 0) + 1
+    return {
+        "prompts": prompts,
+        "max_new_tokens": args.max_new_tokens,
+        "capture_sizes": list(sizes),
+        "unsafe_region": args.unsafe_region,
+        "references": [
+            _reference_payload(platform, simulated, trace, _atol(args.atol, trace))
+            for (platform, simulated), trace in references.items()
+        ],
+        "counts": counts,
+        "distinct_runs": len(groups),
+        "cells": rows,
+    }
+
+
+def _label(platform: object, simulated: bool) -> str:
+    return f"{platform}{'*' if simulated else ''}"
+
+
+def _atol(explicit: float | None, reference: Trace) -> float:
+    """``--atol`` when given, else the tolerance of the reference's device and dtype."""
+    return reference.tolerance if explicit is None else explicit
+
+
+def _verdict(outcome: Trace | Comparison, reference: Trace, atol: float | None) -> Comparison:
+    """A run's verdict against its cell's eager ``reference`` (a refusal or an audit error
+    stands as it is)."""
+    from runners.equivalence import Trace, judge
+
+    if isinstance(outcome, Trace):
+        return judge(outcome, reference, atol=_atol(atol, reference))
+    return outcome
+
+
+def _group_by_run(base: EngineSpec, cells: list[Cell]) -> list[tuple[EngineSpec, list[Cell]]]:
+    """``cells`` grouped by the run they need (``_run_key``), in first-seen order, each group
+    with the spec of its first cell."""
+    groups: dict[tuple[Any, ...], tuple[EngineSpec, list[Cell]]] = {}
+    for cell in cells:
+        platform, simulated, runner, region, mode = cell
         spec = attrs.evolve(
             base,
             platform=platform,
@@ -101,46 +190,41 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
             runner=runner,
             eager_region=region,
             cudagraph_mode=mode,
-            unsafe_region=args.unsafe_region,
         )
-        key = _run_key(spec)
-        if key not in runs:
-            runs[key] = compare_to_eager(spec, model, prompts, params, eager=eager, atol=args.atol)
-        verdict = runs[key]
-        resolution = verdict.resolution
-        cells.append(
-            {
-                "platform": platform,
-                "simulated": simulated,
-                "runner": runner,
-                "eager_region": region,
-                "cudagraph_mode": mode,
-                "resolved": None
-                if resolution is None
-                else {
-                    "decode": resolution.decode_mode.name,
-                    "mixed": resolution.mixed_mode.name,
-                    "eager_region": resolution.eager_region.name,
-                },
-                "status": verdict.status.value,
-                "max_abs_diff": verdict.max_abs_diff,
-                "detail": verdict.detail,
-            }
-        )
-    progress.done(f"{len(cells)} cells, {len(runs)} distinct runs")
-    counts: dict[str, int] = {}
-    for cell in cells:
-        counts[cell["status"]] = counts.get(cell["status"], 0) + 1
+        groups.setdefault(_run_key(spec), (spec, []))[1].append(cell)
+    return list(groups.values())
+
+
+def _cell_payload(cell: Cell, verdict: Comparison) -> dict[str, Any]:
+    platform, simulated, runner, region, mode = cell
+    resolution = verdict.resolution
     return {
-        "prompts": prompts,
-        "max_new_tokens": args.max_new_tokens,
-        "capture_sizes": list(sizes),
-        "unsafe_region": args.unsafe_region,
-        "atol": args.atol,
-        "eager_outputs": [list(o) for o in eager.outputs],
-        "counts": counts,
-        "distinct_runs": len(runs),
-        "cells": cells,
+        "platform": platform,
+        "simulated": simulated,
+        "runner": runner,
+        "eager_region": region,
+        "cudagraph_mode": mode,
+        "resolved": None
+        if resolution is None
+        else {
+            "decode": resolution.decode_mode.name,
+            "mixed": resolution.mixed_mode.name,
+            "eager_region": resolution.eager_region.name,
+        },
+        "status": verdict.status.value,
+        "max_abs_diff": verdict.max_abs_diff,
+        "detail": verdict.detail,
+    }
+
+
+def _reference_payload(platform: str, simulated: bool, trace: Trace, atol: float) -> dict[str, Any]:
+    return {
+        "platform": platform,
+        "simulated": simulated,
+        "device": trace.resolution.platform.device_type,
+        "dtype": str(trace.dtype).removeprefix("torch."),
+        "atol": atol,
+        "outputs": [list(o) for o in trace.outputs],
     }
 
 
@@ -178,4 +262,10 @@ def render(payload: dict[str, Any]) -> str:
         )
     counts = ", ".join(f"{n} {status}" for status, n in sorted(payload["counts"].items()))
     lines.append(f"* simulated on the CPU. {counts}; {payload['distinct_runs']} distinct runs.")
+    references = "; ".join(
+        f"{_label(r['platform'], r['simulated'])} on {r['device']}, {r['dtype']}, "
+        f"atol {r['atol']:g}"
+        for r in payload["references"]
+    )
+    lines.append(f"eager references: {references}.")
     return "\n".join(lines)

@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 
 from runners.cli.errors import UsageError
+from runners.cli.values import at_least
 
 __all__ = [
     "EAGER_REGION_CHOICES",
     "MODE_CHOICES",
+    "PLATFORM_HELP",
     "RUNNER_CHOICES",
+    "SIMULATE_HELP",
     "add_model_options",
     "add_policy_options",
     "parse_int_list",
@@ -19,6 +22,8 @@ __all__ = [
 RUNNER_CHOICES = ("auto", "v1", "v2")
 MODE_CHOICES = ("auto", "NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 EAGER_REGION_CHOICES = ("auto", "full-graph", "narrow", "wide", "no-graph")
+PLATFORM_HELP = "platform name (cuda, rocm, cpu or a plugin's); default: the current platform"
+SIMULATE_HELP = "run the platform's policy on the CPU with the tape backend"
 
 
 def add_policy_options(parser: argparse.ArgumentParser, *, platform_required: bool) -> None:
@@ -27,7 +32,9 @@ def add_policy_options(parser: argparse.ArgumentParser, *, platform_required: bo
     group.add_argument(
         "--platform",
         required=platform_required,
-        help="platform name (cuda, rocm, cpu or a plugin's); default: the current platform",
+        help="platform name (cuda, rocm, cpu or a plugin's); required"
+        if platform_required
+        else PLATFORM_HELP,
     )
     group.add_argument(
         "--runner", default="auto", choices=RUNNER_CHOICES, help="model runner (default: auto)"
@@ -61,11 +68,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         help="Hugging Face-layout checkpoint (config.json + *.safetensors); "
         "default: the built-in tiny model with fixed-seed weights",
     )
-    group.add_argument(
-        "--simulate",
-        action="store_true",
-        help="run the platform's policy on the CPU with the tape backend",
-    )
+    group.add_argument("--simulate", action="store_true", help=SIMULATE_HELP)
     group.add_argument(
         "--capture-sizes",
         type=parse_int_list,
@@ -73,7 +76,12 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         metavar="N,N,...",
         help="token counts to capture graphs for (default: 1,2,4,8,16,32)",
     )
-    group.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    group.add_argument(
+        "--threads",
+        type=at_least(1),
+        default=None,
+        help="torch CPU threads (default: 1 up to hidden size 512, else one per core)",
+    )
 
 
 def parse_int_list(text: str) -> list[int]:

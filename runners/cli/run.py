@@ -18,6 +18,7 @@ from runners.cli.errors import UsageError
 from runners.cli.options import add_model_options, add_policy_options, parse_int_list, parse_prompts
 from runners.cli.progress import Progress
 from runners.cli.values import at_least, non_negative_float, probability
+from runners.threads import apply_threads
 
 __all__ = ["add_arguments", "execute", "render"]
 
@@ -72,24 +73,15 @@ def spec_from_args(args: argparse.Namespace) -> Any:
     return EngineSpec(**fields)
 
 
-def apply_threads(threads: int | None) -> None:
-    import torch
-
-    if threads is not None:
-        if threads < 1:
-            raise UsageError(f"--threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
-
-
 def execute(args: argparse.Namespace) -> dict[str, Any]:
     from runners.engine import SamplingParams
     from runners.serving import build_engine
 
     prompts, from_text = parse_prompts(args.prompt_ids, args.prompt)
-    apply_threads(args.threads)
     progress = Progress.for_terminal(json_output=args.json)
     progress.update("loading model")
     engine = build_engine(spec_from_args(args))
+    threads = apply_threads(args.threads, engine.runner.model.config.hidden_size)
     vocab = engine.runner.vocab_size
     if from_text and vocab < 256:
         raise UsageError(
@@ -148,6 +140,7 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
         "tokens_per_s": round(generated / generate_s, 3) if generate_s > 0 else None,
     }
     payload["byte_level"] = from_text
+    payload["threads"] = threads
     return payload
 
 

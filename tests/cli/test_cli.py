@@ -8,10 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from runners.cli.main import main
 
 FAST = ["--capture-sizes", "1,2,4", "--threads", "1"]
+CPU = ["--platform", "cpu"]  # what these tests assert is CPU behaviour, even on a GPU host
 
 
 def _json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict:
@@ -34,8 +36,8 @@ def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, st
 
 def test_run_json_contract_and_graphs_equal_eager(capsys: pytest.CaptureFixture[str]) -> None:
     prompts = ["--prompt-ids", "1,2,3,4,5,6,7", "--prompt-ids", "9,8", "--max-new-tokens", "5"]
-    graphs = _json(capsys, ["run", *prompts, *FAST])
-    eager = _json(capsys, ["run", *prompts, *FAST, "--cudagraph-mode", "NONE"])
+    graphs = _json(capsys, ["run", *prompts, *FAST, *CPU])
+    eager = _json(capsys, ["run", *prompts, *FAST, *CPU, "--cudagraph-mode", "NONE"])
     for key in (
         "platform",
         "runner",
@@ -65,7 +67,7 @@ def test_simulated_rocm_runs_v1_wide(capsys: pytest.CaptureFixture[str]) -> None
     assert (rocm["platform"], rocm["simulated"], rocm["runner"]) == ("rocm", True, "v1")
     assert rocm["eager_region"] == "wide"
     assert rocm["cudagraph_mode"] == {"decode": "PIECEWISE", "mixed": "PIECEWISE"}
-    eager = _json(capsys, ["run", "--cudagraph-mode", "NONE", *prompts, *FAST])
+    eager = _json(capsys, ["run", "--cudagraph-mode", "NONE", *prompts, *FAST, *CPU])
     assert rocm["outputs"] == eager["outputs"]
     assert rocm["outputs"][0]["prompt_ids"] == list(b"hi")
 
@@ -97,8 +99,8 @@ def test_init_checkpoint_then_run_it(tmp_path: Path, capsys: pytest.CaptureFixtu
     made = _json(capsys, ["init-checkpoint", str(ckpt), "--preset", "tiny", "--seed", "0"])
     assert made["files"] == ["config.json", "model.safetensors"]
     prompts = ["--prompt-ids", "5,6,7", "--max-new-tokens", "4"]
-    from_ckpt = _json(capsys, ["run", "--checkpoint", str(ckpt), *prompts, *FAST])
-    builtin = _json(capsys, ["run", *prompts, *FAST])
+    from_ckpt = _json(capsys, ["run", "--checkpoint", str(ckpt), *prompts, *FAST, *CPU])
+    builtin = _json(capsys, ["run", *prompts, *FAST, *CPU])
     assert from_ckpt["outputs"] == builtin["outputs"], "seed 0 is the built-in model's weights"
     code, line = _error(capsys, ["init-checkpoint", str(ckpt)])
     assert code == 2 and "--force" in line
@@ -118,14 +120,20 @@ def test_init_checkpoint_then_run_it(tmp_path: Path, capsys: pytest.CaptureFixtu
         (["run", "--prompt-ids", "1,x,3"], "'x' is not an integer"),
         (["run", "--prompt-ids", "1,2", "--capture-sizes", "0,2"], "capture size 0"),
         (["run", "--prompt-ids", "1,2", "--platform", "tpu"], "unknown platform 'tpu'"),
-        (["run", "--prompt-ids", "1,2", "--platform", "cuda"], "not available"),
+        pytest.param(
+            ["run", "--prompt-ids", "1,2", "--platform", "cuda"],
+            "not available",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="cuda is available here"),
+        ),
         (["run", "--prompt-ids", "1,99999"], "99999"),
         (["run", "--prompt-ids", ",".join(["1"] * 600)], "600"),
-        (["run", "--prompt-ids", "1", "--max-new-tokens", "0"], "max_tokens"),
+        (["run", "--prompt-ids", "1", "--max-new-tokens", "0"], "--max-new-tokens: must be >= 1"),
         (["run", "--prompt-ids", "1", "--runner", "v1", "--eager-region", "narrow"], "wide"),
         (["explain"], "--platform"),
         (["init-checkpoint", "x", "--preset", "huge"], "unknown preset"),
         (["bench", "--batch-sizes", "0"], ">= 1"),
+        (["bench", "--platform", "tpu"], "unknown platform 'tpu'"),
+        (["matrix", "--platform", "tpu"], "unknown platform 'tpu'"),
     ],
 )
 def test_bad_input_is_one_line_and_a_non_zero_exit(
@@ -170,7 +178,7 @@ def test_help_explains_every_command() -> None:
 def test_seeded_sampling_reproduces_and_differs_from_greedy(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    base = ["run", "--prompt-ids", "1,2,3", "--max-new-tokens", "8", "--ignore-eos", *FAST]
+    base = ["run", "--prompt-ids", "1,2,3", "--max-new-tokens", "8", "--ignore-eos", *FAST, *CPU]
     sampled = ["--temperature", "1.5", "--top-k", "50", "--top-p", "0.95", "--seed", "7"]
     first = _json(capsys, [*base, *sampled])["outputs"]
     again = _json(capsys, [*base, *sampled])["outputs"]

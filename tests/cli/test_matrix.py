@@ -1,22 +1,32 @@
 """``dsv4 matrix``: V1 with a region narrower than wide is refused, or caught by the audit under
-``--unsafe-region``; every other cell equals eager."""
+``--unsafe-region``; every other cell equals an eager run of its own platform, on that platform's
+device, within ``equality_tolerance`` of that device and the model's dtype."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
+import torch
 
 from runners.cli.main import main
+from runners.equivalence import equality_tolerance
 
-SMALL = ["--platform", "cpu", "--prompt-ids", "3,1,4,1,5,9", "--prompt-ids", "2,7"]
-SMALL += ["--max-new-tokens", "3", "--capture-sizes", "1,2,4", "--threads", "1", "--json"]
+PROMPTS = ["--prompt-ids", "3,1,4,1,5,9", "--prompt-ids", "2,7"]
+SMALL = [*PROMPTS, "--max-new-tokens", "3", "--capture-sizes", "1,2,4", "--threads", "1", "--json"]
+TINY = ["--prompt-ids", "2,7", "--max-new-tokens", "2", "--capture-sizes", "1,2", "--threads", "1"]
 NARROWER_THAN_WIDE = ("full-graph", "narrow")
 
 
+def _matrix(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    assert main(["matrix", *SMALL, *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
 def _cells(capsys: pytest.CaptureFixture[str], *extra: str) -> list[dict]:
-    assert main(["matrix", *SMALL, *extra]) == 0
-    payload = json.loads(capsys.readouterr().out)
+    payload = _matrix(capsys, "--platform", "cpu", *extra)
     assert len(payload["cells"]) == 2 * 4 * 5
     return payload["cells"]
 
@@ -47,4 +57,74 @@ def test_unsafe_v1_narrow_is_an_audit_error(capsys: pytest.CaptureFixture[str]) 
             assert cell["status"] == "audit-error"
             assert "allocated" in cell["detail"]
         else:
+            assert cell["status"] == "equal", cell
+
+
+def test_eager_reference_follows_the_simulated_platform(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["matrix", "--platform", "rocm", "--simulate", *TINY, "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    [reference] = payload["references"]
+    assert reference["platform"] == "rocm" and reference["simulated"] is True
+    assert (reference["device"], reference["dtype"], reference["atol"]) == ("cpu", "float32", 1e-5)
+    assert len(reference["outputs"]) == 1
+    assert {(c["platform"], c["simulated"]) for c in payload["cells"]} == {("rocm", True)}
+    for cell in payload["cells"]:
+        assert cell["status"] in ("equal", "refused"), cell
+    assert payload["counts"]["equal"] > 0
+
+
+def test_human_output_names_each_reference_and_an_explicit_atol_overrides(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["matrix", "--platform", "cuda", "--simulate", *TINY, "--atol", "0.5"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert all(line.startswith("cuda*") for line in lines[2:-2])
+    assert lines[-1] == "eager references: cuda* on cpu, float32, atol 0.5."
+
+
+@pytest.mark.parametrize(
+    ("device_type", "dtype", "tolerance"),
+    [
+        ("cpu", torch.float32, 1e-5),
+        ("cpu", torch.float64, 1e-5),
+        ("cuda", torch.float32, 1e-3),
+        ("cuda", torch.float64, 1e-3),
+        ("xpu", torch.float32, 1e-3),
+        ("cpu", torch.float16, 1e-2),
+        ("cuda", torch.float16, 1e-2),
+        ("cpu", torch.bfloat16, 5e-2),
+        ("cuda", torch.bfloat16, 5e-2),
+    ],
+)
+def test_equality_tolerance_rule(device_type: str, dtype: torch.dtype, tolerance: float) -> None:
+    assert equality_tolerance(device_type, dtype) == tolerance
+
+
+def test_equality_tolerance_refuses_a_dtype_without_a_rule() -> None:
+    with pytest.raises(ValueError, match="int64"):
+        equality_tolerance("cpu", torch.int64)
+
+
+@pytest.mark.cuda
+def test_cuda_matrix_every_allowed_cell_equals_eager_on_the_gpu() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "runners.cli.main", "matrix", "--platform", "cuda", "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    [reference] = payload["references"]
+    assert (reference["platform"], reference["simulated"], reference["device"]) == (
+        "cuda",
+        False,
+        "cuda",
+    )
+    assert reference["atol"] == equality_tolerance("cuda", torch.float32)
+    for cell in payload["cells"]:
+        assert (cell["platform"], cell["simulated"]) == ("cuda", False)
+        if cell["status"] != "refused":
             assert cell["status"] == "equal", cell

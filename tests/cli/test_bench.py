@@ -1,0 +1,95 @@
+"""``dsv4 bench``: it names the platform it measured (``--platform``, ``--simulate`` as for
+``run``), times every interval until the device has finished it, and prints ``n/a`` for memory a
+pool does not report (CUDA's)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from runners.benchmark import timed
+from runners.cli.bench import render
+from runners.cli.main import main
+
+FAST = ["--batch-sizes", "1", "--threads", "1", "--repeats", "2", "--rounds", "1"]
+FAST += ["--generate-prompts", "1", "--max-new-tokens", "2"]
+
+
+def _assert_measured(payload: dict) -> None:
+    [row] = payload["decode"]
+    assert (row["threads"], row["batch_size"]) == (1, 1)
+    assert set(row["median_us"]) == {"eager", "full", "narrow", "wide"}
+    assert all(us > 0 for us in row["median_us"].values())
+    assert payload["capture"]["total_s"] > 0
+    assert payload["generation"]["tokens_per_s"]["engine"] > 0
+
+
+def test_json_names_the_cpu_platform(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--platform", "cpu", *FAST, "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert (payload["platform"], payload["simulated"], payload["device"]) == ("cpu", False, "cpu")
+    assert payload["capture"]["held_bytes"] > 0
+    _assert_measured(payload)
+
+
+def test_human_output_names_the_simulated_platform(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--platform", "rocm", "--simulate", *FAST]) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[0] == "platform rocm (simulated on the CPU), device cpu"
+    assert "MiB held by captures" in text
+    assert "None" not in text
+
+
+def test_unknown_held_bytes_render_as_n_a() -> None:
+    payload = {
+        "platform": "cuda",
+        "simulated": False,
+        "device": "cuda",
+        "decode": [],
+        "capture": {
+            "seconds_per_graph": [["FULL", 1, 0.01]],
+            "total_s": 0.01,
+            "held_bytes": None,
+            "eager_step_peak_bytes": 3 * 2**20,
+            "held/eager_step_peak": None,
+        },
+        "generation": {"tokens_per_s": {"engine": 100.0}},
+        "method": "m",
+    }
+    text = render(payload)
+    assert text.splitlines()[0] == "platform cuda, device cuda"
+    assert "capture: 1 graphs in 0.01s, n/a held by captures (n/a the 3.0 MiB peak" in text
+    assert "None" not in text
+
+
+def test_timed_returns_the_result_and_host_seconds_on_the_cpu() -> None:
+    result, seconds = timed(lambda: torch.ones(4).sum(), torch.device("cpu"))
+    assert float(result) == 4.0 and seconds >= 0
+
+
+@pytest.mark.cuda
+def test_timed_waits_for_the_kernels_it_queued_on_cuda() -> None:
+    a = torch.randn(2048, 2048, device="cuda")
+    result, seconds = timed(lambda: [a @ a for _ in range(20)][-1], torch.device("cuda"))
+    assert result.is_cuda and seconds > 0
+    assert torch.cuda.current_stream().query(), "nothing is left running after timed returns"
+
+
+@pytest.mark.cuda
+def test_cuda_bench_reports_the_platform_and_positive_latencies() -> None:
+    argv = ["bench", "--platform", "cuda", "--batch-sizes", "1", "--threads", "1"]
+    argv += ["--repeats", "3", "--rounds", "1", "--json"]
+    result = subprocess.run(
+        [sys.executable, "-m", "runners.cli.main", *argv],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert (payload["platform"], payload["simulated"], payload["device"]) == ("cuda", False, "cuda")
+    _assert_measured(payload)
