@@ -11,8 +11,8 @@ Invariants:
   largest difference seen there.
 - Logits are compared on the CPU in float32, whatever device each run used.
 - ``status`` is exactly one of ``equal`` (same tokens, logits within tolerance), ``mismatch``,
-  ``refused`` (the resolution refused the combination) or ``audit-error`` (the capture audit
-  reported an unstable read).
+  ``refused`` (the resolution refused the combination), ``audit-error`` (the capture audit
+  reported an unstable read) or ``error`` (the run raised anything else).
 - The tolerance, unless a caller overrides it, is ``equality_tolerance`` of the device and dtype
   the runs used: defined there once.
 """
@@ -84,6 +84,7 @@ class Status(enum.Enum):
     MISMATCH = "mismatch"
     REFUSED = "refused"
     AUDIT_ERROR = "audit-error"
+    ERROR = "error"
 
 
 class RecordingExecutor:
@@ -202,7 +203,8 @@ def run_configuration(
     *,
     max_num_batched_tokens: int | None = None,
 ) -> Trace | Comparison:
-    """The trace of ``spec``, or the verdict (refused or audit-error) that stopped it."""
+    """The trace of ``spec``, or the verdict that stopped it: refused, audit-error, or error
+    (any other exception, as ``Type: message``, so one broken cell does not end a matrix)."""
     try:
         return run_trace(
             spec, model, prompts, params, max_num_batched_tokens=max_num_batched_tokens
@@ -211,6 +213,8 @@ def run_configuration(
         return Comparison(status=Status.REFUSED, detail=str(exc))
     except CaptureAuditError as exc:
         return Comparison(status=Status.AUDIT_ERROR, detail=str(exc))
+    except Exception as exc:
+        return Comparison(status=Status.ERROR, detail=f"{type(exc).__name__}: {exc}")
 
 
 def judge(trace: Trace, eager: Trace, *, atol: float | None = None) -> Comparison:

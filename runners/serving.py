@@ -6,8 +6,9 @@ the ``LLM`` driving the runner. The CLI, the cross-strategy property suite and t
 conformance kit all build engines this way, so they exercise exactly what users run.
 
 Invariants:
-- The resolution is computed before anything is allocated: a refused region or an unknown name
-  fails fast, with nothing half-built.
+- The resolution is computed before anything is allocated: a refused region, an unknown name or
+  a checkpoint of an architecture this library does not implement fails fast, with nothing
+  half-built.
 - A model may be shared by several engines built one after another (``build_engine(spec,
   model=...)``): each runner rebinds its own caches and recomposes the eager region, so the engine
   built last is the one that may run.
@@ -21,6 +22,8 @@ from pathlib import Path
 import attrs
 
 from dsv4 import DeepseekV4Config, DeepseekV4ForCausalLM, load_checkpoint
+from dsv4.config import ARCHITECTURE
+from dsv4.hf_config import architecture_of as config_architecture
 from dsv4.weights import randomize_
 from graphs.audit import AuditMode
 from platforms import Platform, current_platform, get_platform, simulate
@@ -31,7 +34,6 @@ from runners.layout import CacheLayout
 from runners.resolution import Resolution, resolve
 
 __all__ = [
-    "BUILTIN_ARCHITECTURE",
     "DEFAULT_LAYOUT",
     "Engine",
     "EngineSpec",
@@ -42,7 +44,6 @@ __all__ = [
     "resolve_spec",
 ]
 
-BUILTIN_ARCHITECTURE = "DeepseekV4ForCausalLM"
 DEFAULT_LAYOUT = CacheLayout(num_blocks=256, block_size=16, max_rows=16, max_blocks_per_row=32)
 
 
@@ -98,15 +99,19 @@ def build_model(spec: EngineSpec) -> DeepseekV4ForCausalLM:
 
 
 def architecture_of(spec: EngineSpec) -> str:
-    """The first ``architectures`` entry of the checkpoint's config.json (the built-in model's
-    otherwise); an unreadable config is left for ``load_checkpoint`` to report."""
+    """The architecture the checkpoint's config.json names (the built-in model's without one).
+
+    Raises ``UnsupportedArchitectureError`` for an architecture this library does not implement,
+    before anything is resolved or loaded; an unreadable config is left for ``load_checkpoint``
+    to report.
+    """
     if spec.checkpoint is None:
-        return BUILTIN_ARCHITECTURE
+        return ARCHITECTURE
     try:
         raw = json.loads((Path(spec.checkpoint) / "config.json").read_text())
-        return str(raw["architectures"][0])
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
-        return BUILTIN_ARCHITECTURE
+    except (OSError, ValueError):
+        return ARCHITECTURE
+    return config_architecture(raw) if isinstance(raw, dict) else ARCHITECTURE
 
 
 def resolve_spec(spec: EngineSpec) -> Resolution:

@@ -1,8 +1,9 @@
 """Argument parsing and dispatch for the ``dsv4`` command.
 
 Each command module exposes ``add_arguments(parser)``, ``execute(args) -> dict`` (the JSON
-payload) and ``render(payload) -> str`` (the human-readable form). ``main`` prints one or the
-other and turns every failure into one line on stderr.
+payload) and ``render(payload) -> str`` (the human-readable form), and may expose
+``exit_code(payload) -> int`` when a finished run can still fail (``matrix`` as a gate). ``main``
+prints the payload or its rendering and turns every failure into one line on stderr.
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(payload, sort_keys=False))
     else:
         print(module.render(payload))
-    return 0
+    exit_code = getattr(module, "exit_code", None)
+    return int(exit_code(payload)) if exit_code is not None else 0
 
 
 if __name__ == "__main__":

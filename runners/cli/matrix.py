@@ -2,10 +2,14 @@
 
 Each cell is one of: equal (same greedy tokens, logits within --atol of eager), refused (the
 resolution refuses the combination, with its reason), audit-error (the capture audit caught an
-unstable read) or mismatch, with the largest logit difference against eager. Each platform is
+unstable read), mismatch, or error (the run raised), with the largest logit difference against
+eager. The command is a gate: it exits 1 when any cell mismatches or errors, or is an
+audit-error without --unsafe-region (where audit errors are the expected finding); with
+--report-only it always exits 0. Each platform is
 compared with an eager run of its own, on its own device; platforms not available here (every
 platform, with --simulate) are simulated on the CPU with the tape backend. Cells that resolve to
 the same device, runner, modes and region share one run.
+
 Examples:
   dsv4 matrix --unsafe-region
   dsv4 matrix --platform rocm --simulate --json
@@ -22,14 +26,14 @@ import attrs
 
 from runners.cli.options import MODE_CHOICES, RUNNER_CHOICES, SIMULATE_HELP, parse_int_list
 from runners.cli.progress import Progress
-from runners.cli.values import at_least
+from runners.cli.values import at_least, non_negative_float
 from runners.threads import apply_threads
 
 if TYPE_CHECKING:
     from runners.equivalence import Comparison, Trace
     from runners.serving import EngineSpec
 
-__all__ = ["add_arguments", "execute", "render"]
+__all__ = ["add_arguments", "execute", "exit_code", "render"]
 
 REGIONS = ("full-graph", "narrow", "wide", "no-graph")
 RUNNERS = tuple(r for r in RUNNER_CHOICES if r != "auto")
@@ -70,8 +74,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="default: 1,2,4,8,16",
     )
     parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="exit 0 even when cells fail (default: exit 1, so the matrix can gate CI)",
+    )
+    parser.add_argument(
         "--atol",
-        type=float,
+        type=non_negative_float,
         default=None,
         help="logit tolerance (default: per platform, from its device and the model's dtype: "
         "1e-5 for float32 on the CPU, 1e-3 on a GPU, 1e-2 float16, 5e-2 bfloat16)",
@@ -143,7 +152,10 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
     counts: dict[str, int] = {}
     for row in rows:
         counts[row["status"]] = counts.get(row["status"], 0) + 1
+    failing = _failing_statuses(unsafe_region=args.unsafe_region)
     return {
+        "failed_cells": sum(row["status"] in failing for row in rows),
+        "report_only": args.report_only,
         "prompts": prompts,
         "max_new_tokens": args.max_new_tokens,
         "capture_sizes": list(sizes),
@@ -156,6 +168,20 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
         "distinct_runs": len(groups),
         "cells": rows,
     }
+
+
+def _failing_statuses(*, unsafe_region: bool) -> frozenset[str]:
+    """Statuses that fail the gate: a mismatch or error always; an audit error unless unsafe
+    regions were asked for (then catching them is what the run is for)."""
+    failing = {"mismatch", "error"}
+    if not unsafe_region:
+        failing.add("audit-error")
+    return frozenset(failing)
+
+
+def exit_code(payload: dict[str, Any]) -> int:
+    """1 when any cell failed (see ``_failing_statuses``) and ``--report-only`` is off, else 0."""
+    return 1 if payload["failed_cells"] and not payload["report_only"] else 0
 
 
 def _label(platform: object, simulated: bool) -> str:
@@ -254,7 +280,7 @@ def render(payload: dict[str, Any]) -> str:
         result = cell["status"]
         if cell["max_abs_diff"] is not None:
             result += f" (max diff {cell['max_abs_diff']:.2g})"
-        if cell["status"] in ("refused", "audit-error", "mismatch") and cell["detail"]:
+        if cell["status"] != "equal" and cell["detail"]:
             result += f": {cell['detail'][:110]}"
         lines.append(
             f"{platform:<14}{cell['runner']:<8}{cell['eager_region']:<12}"
@@ -268,4 +294,7 @@ def render(payload: dict[str, Any]) -> str:
         for r in payload["references"]
     )
     lines.append(f"eager references: {references}.")
+    if payload["failed_cells"]:
+        consequence = "reported only" if payload["report_only"] else "exit code 1"
+        lines.append(f"FAILED: {payload['failed_cells']} cell(s) ({consequence}).")
     return "\n".join(lines)

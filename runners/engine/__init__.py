@@ -10,6 +10,7 @@ from runners.engine.errors import (
     EngineError,
     ExecutorError,
     InvalidRequestError,
+    RequestFailedError,
     RequestTooLongError,
 )
 from runners.engine.executor import StepExecutor
@@ -27,6 +28,7 @@ __all__ = [
     "FinishReason",
     "GenerateProgress",
     "InvalidRequestError",
+    "RequestFailedError",
     "RequestOutput",
     "RequestTooLongError",
     "SamplingParams",

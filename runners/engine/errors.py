@@ -6,11 +6,18 @@ already running are never affected by a rejected one and the engine stays usable
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from runners.engine.request import RequestOutput
+
 __all__ = [
     "EngineConfigError",
     "EngineError",
     "ExecutorError",
     "InvalidRequestError",
+    "RequestFailedError",
     "RequestTooLongError",
 ]
 
@@ -35,3 +42,20 @@ class RequestTooLongError(InvalidRequestError):
 
 class ExecutorError(EngineError, RuntimeError):
     """The step executor broke its contract (logits of the wrong shape or dtype)."""
+
+
+class RequestFailedError(EngineError, RuntimeError):
+    """Requests of one ``LLM.generate`` call failed: their next token could not be sampled (the
+    model gave NaN or inf logits, say). Raised once every request of the call has finished, so
+    the others ran to completion: ``outputs`` holds all of them in prompt order, the failed ones
+    with ``FinishReason.ERROR`` and their ``error``; ``failed`` holds only those."""
+
+    def __init__(self, outputs: Sequence[RequestOutput]) -> None:
+        self.outputs = list(outputs)
+        self.failed = [o for o in self.outputs if o.error is not None]
+        more = f" (and {len(self.failed) - 1} more)" if len(self.failed) > 1 else ""
+        finished = len(self.outputs) - len(self.failed)
+        super().__init__(
+            f"{self.failed[0].error}{more}; {finished} of the call's {len(self.outputs)} "
+            "requests finished normally (their outputs are in the exception's .outputs)"
+        )

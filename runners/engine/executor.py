@@ -16,6 +16,7 @@ Contract, for every ``execute(chunks, token_ids)`` call the engine makes:
   and are owned by that request alone; block ids are in ``0 .. num_blocks-1``.
 - The executor writes the KV of every fed token and returns float32 logits ``[len(chunks),
   vocab_size]``: row ``i`` is the next-token distribution after the LAST token of chunk ``i``.
+  A sampled row holding NaN or inf fails its request alone (``FinishReason.ERROR``).
 - If ``execute`` raises, the engine advances no request, so later calls feed those positions again
   (through the same blocks); rewriting a position must be harmless (it is for a paged KV cache).
 """

@@ -8,8 +8,16 @@ Two ways to drive it:
 Invariants:
 - Every input error is raised before the engine changes, as an ``EngineError`` subclass with a
   one-line message; running requests are untouched by a refused one.
-- A step is all-or-nothing for the requests in it: if the executor or sampling raises, no request
-  advances, and the next ``step`` retries the same positions, so the engine stays usable.
+- A step that raises is all-or-nothing: if the executor raises or returns malformed logits, no
+  request advances and the next ``step`` feeds the same positions again, so the engine stays
+  usable.
+- A request whose next token cannot be sampled (NaN or inf logits) fails alone: it finishes with
+  ``FinishReason.ERROR`` and an ``error`` naming it and the reason, its blocks and row are freed
+  in that step, and the other requests advance exactly as without it. ``step`` returns it like
+  any finished request; ``generate`` lets the rest of its call finish, then raises
+  ``RequestFailedError`` carrying every output of the call.
+- One re-entrant lock serialises the public methods (see ``LLM``), so one engine may be shared
+  by threads.
 - Host work per step is proportional to the number of chunks, not to the tokens fed (prefill
   chunks are slices of the request's token list) nor to the vocabulary (one argmax for all
   greedy rows).
@@ -19,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import threading
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -27,11 +36,12 @@ from runners.engine.errors import (
     EngineConfigError,
     ExecutorError,
     InvalidRequestError,
+    RequestFailedError,
     RequestTooLongError,
 )
 from runners.engine.executor import StepExecutor
 from runners.engine.params import SamplingParams
-from runners.engine.request import Request, RequestOutput
+from runners.engine.request import FinishReason, Request, RequestOutput
 from runners.engine.sampling import sample, seeded_generator
 from runners.engine.scheduler import Scheduler
 
@@ -72,7 +82,14 @@ class EngineStats:
 
 
 class LLM:
-    """Continuous-batching engine over a ``StepExecutor`` (see the module docstring)."""
+    """Continuous-batching engine over a ``StepExecutor`` (see the module docstring).
+
+    Threads: every public method holds one re-entrant lock for its whole call, so calls from
+    several threads are serialised and each returns what it would have returned alone; a
+    ``generate`` runs to completion (its ``progress`` callback included) before another thread's
+    call starts. To batch work from several threads together, submit it with ``add_request`` and
+    let one thread drive ``step``.
+    """
 
     def __init__(
         self, executor: StepExecutor, *, max_num_batched_tokens: int | None = None
@@ -104,6 +121,7 @@ class LLM:
         self._ids = itertools.count()
         self._undelivered: list[RequestOutput] = []
         self._generated_tokens = 0
+        self._lock = threading.RLock()
 
     def add_request(
         self,
@@ -114,40 +132,46 @@ class LLM:
     ) -> str:
         """Queue a request and return its id; raise ``InvalidRequestError`` (or its subclass
         ``RequestTooLongError``) without changing anything if it is malformed or can never fit."""
-        request = self._prepare(prompt_ids, params, request_id)
-        self.scheduler.add(request)
-        return request.request_id
+        with self._lock:
+            request = self._prepare(prompt_ids, params, request_id)
+            self.scheduler.add(request)
+            return request.request_id
 
     def check(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> None:
         """Raise what ``add_request`` would raise for this prompt, changing nothing (so a caller
         can refuse bad input before expensive work such as graph capture)."""
-        self._prepare(prompt_ids, params, request_id="")
+        with self._lock:
+            self._prepare(prompt_ids, params, request_id="")
 
     def step(self) -> list[RequestOutput]:
         """Run one step; return the requests that finished in it (and any finished during a
-        ``generate`` call that belonged to step-level callers)."""
-        finished = self._undelivered + self._step()
-        self._undelivered = []
-        return finished
+        ``generate`` call that belonged to step-level callers), failed ones included."""
+        with self._lock:
+            finished = self._undelivered + self._step()
+            self._undelivered = []
+            return finished
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a live request now and free its blocks; return what it produced so far
         (``FinishReason.ABORT``), or None if no live request has this id."""
-        return self.scheduler.abort(request_id)
+        with self._lock:
+            return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.live) or bool(self._undelivered)
+        with self._lock:
+            return bool(self.scheduler.live) or bool(self._undelivered)
 
     def stats(self) -> EngineStats:
-        s = self.scheduler
-        return EngineStats(
-            waiting=len(s.waiting),
-            running=len(s.running),
-            free_blocks=s.blocks.num_free,
-            total_blocks=s.blocks.size,
-            free_rows=s.rows.num_free,
-            total_rows=s.rows.size,
-        )
+        with self._lock:
+            s = self.scheduler
+            return EngineStats(
+                waiting=len(s.waiting),
+                running=len(s.running),
+                free_blocks=s.blocks.num_free,
+                total_blocks=s.blocks.size,
+                free_rows=s.rows.num_free,
+                total_rows=s.rows.size,
+            )
 
     def generate(
         self,
@@ -158,7 +182,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs in prompt order. All prompts are validated before
         any is queued; on any exception (including KeyboardInterrupt) this call's requests are
-        aborted, so the engine is left as it was found."""
+        aborted, so the engine is left as it was found. If requests fail (their logits could not
+        be sampled), the others still finish, then ``RequestFailedError`` is raised with every
+        output of the call."""
         if params is None or isinstance(params, SamplingParams):
             per_prompt = [params] * len(prompts)
         else:
@@ -167,36 +193,41 @@ class LLM:
                 raise InvalidRequestError(
                     f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts"
                 )
-        requests = [self._prepare(p, sp, None) for p, sp in zip(prompts, per_prompt, strict=True)]
-        mine = {r.request_id: i for i, r in enumerate(requests)}
-        for request in requests:
-            self.scheduler.add(request)
-        results: list[RequestOutput | None] = [None] * len(requests)
-        done = 0
-        start_tokens = self._generated_tokens
-        try:
-            while done < len(requests):
-                for output in self._step():
-                    index = mine.get(output.request_id)
-                    if index is None:
-                        self._undelivered.append(output)
-                    else:
-                        results[index] = output
-                        done += 1
-                if progress is not None:
-                    progress(
-                        GenerateProgress(
-                            finished=done,
-                            total=len(requests),
-                            generated_tokens=self._generated_tokens - start_tokens,
+        with self._lock:
+            pairs = zip(prompts, per_prompt, strict=True)
+            requests = [self._prepare(p, sp, None) for p, sp in pairs]
+            mine = {r.request_id: i for i, r in enumerate(requests)}
+            for request in requests:
+                self.scheduler.add(request)
+            results: list[RequestOutput | None] = [None] * len(requests)
+            done = 0
+            start_tokens = self._generated_tokens
+            try:
+                while done < len(requests):
+                    for output in self._step():
+                        index = mine.get(output.request_id)
+                        if index is None:
+                            self._undelivered.append(output)
+                        else:
+                            results[index] = output
+                            done += 1
+                    if progress is not None:
+                        progress(
+                            GenerateProgress(
+                                finished=done,
+                                total=len(requests),
+                                generated_tokens=self._generated_tokens - start_tokens,
+                            )
                         )
-                    )
-        except BaseException:
-            for request_id, index in mine.items():
-                if results[index] is None:
-                    self.scheduler.abort(request_id)
-            raise
-        return [r for r in results if r is not None]
+            except BaseException:
+                for request_id, index in mine.items():
+                    if results[index] is None:
+                        self.scheduler.abort(request_id)
+                raise
+        outputs = [r for r in results if r is not None]
+        if any(o.finish_reason is FinishReason.ERROR for o in outputs):
+            raise RequestFailedError(outputs)
+        return outputs
 
     def _step(self) -> list[RequestOutput]:
         step = self.scheduler.schedule()
@@ -217,7 +248,7 @@ class LLM:
             if request.generator is None and request.params.seed is not None:
                 request.generator = seeded_generator(request.params.seed, logits.device)
         tokens = sample(logits, [r.params for r in requests], [r.generator for r in requests])
-        self._generated_tokens += len(tokens)
+        self._generated_tokens += sum(isinstance(t, int) for t in tokens)
         return self.scheduler.commit(step, tokens)
 
     def _prepare(

@@ -30,6 +30,9 @@ class FinishReason(enum.Enum):
     """It generated a stop (or EOS) token, which ends its output."""
     ABORT = "abort"
     """``LLM.abort`` removed it; its output holds the tokens generated so far."""
+    ERROR = "error"
+    """Its next token could not be sampled (``RequestOutput.error`` says why); its output holds
+    the tokens generated before. Only this request stopped: the others of its step went on."""
 
 
 @attrs.frozen(kw_only=True)
@@ -40,6 +43,8 @@ class RequestOutput:
     prompt_ids: tuple[int, ...]
     output_ids: tuple[int, ...]
     finish_reason: FinishReason
+    error: str | None = None
+    """For ``FinishReason.ERROR`` (and only then): one line naming the request and the reason."""
 
 
 class Request:
@@ -79,10 +84,11 @@ class Request:
         """``block_ids`` as the tuple a chunk carries, rebuilt only when a block is added."""
         self.generator: torch.Generator | None = None
 
-    def output(self, reason: FinishReason) -> RequestOutput:
+    def output(self, reason: FinishReason, error: str | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id,
             prompt_ids=tuple(self.token_ids[: self.prompt_len]),
             output_ids=tuple(self.token_ids[self.prompt_len :]),
             finish_reason=reason,
+            error=error,
         )

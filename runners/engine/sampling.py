@@ -12,6 +12,12 @@ Invariants:
   is kept iff the mass before it is below ``top_p``), widened to every token tied with the last
   one kept. Ties are thus all in or all out and the result does not depend on sort order; the most
   likely token is always kept.
+- A row that cannot be sampled fails alone: ``sample`` gives it a reason instead of a token and
+  samples the others exactly as without it. Rows fail when their logits hold NaN or inf (found by
+  one batched check, before anything else sees them), or when dividing finite logits by a tiny
+  temperature overflows, which shows as non-finite probabilities. Nothing else in here can fail
+  on finite logits (the filter always keeps at least one token), so a step's sampling raises only
+  for a broken device, which no single request can be blamed for.
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ import torch
 
 from runners.engine.params import SamplingParams
 
-__all__ = ["filtered_probs", "sample", "seeded_generator"]
+__all__ = ["NON_FINITE_LOGITS", "filtered_probs", "sample", "seeded_generator"]
+
+NON_FINITE_LOGITS = "its logits hold NaN or inf (the model produced non-finite values)"
 
 
 def seeded_generator(seed: int, device: torch.device) -> torch.Generator:
@@ -47,7 +55,7 @@ def filtered_probs(
     probs = ordered.masked_fill(~in_top_k, float("-inf")).softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     keep = in_top_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
-    last_kept = keep.sum(dim=-1, keepdim=True) - 1
+    last_kept = (keep.sum(dim=-1, keepdim=True) - 1).clamp(min=0)
     threshold = ordered.gather(1, last_kept)
     return scaled.masked_fill(scaled < threshold, float("-inf")).softmax(dim=-1)
 
@@ -56,10 +64,13 @@ def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
-) -> list[int]:
-    """One token per row of ``logits`` ``[n, V]``; ``generators[i]`` is row i's (None: global)."""
-    tokens: list[int] = logits.argmax(dim=-1).tolist()
-    rows = [i for i, p in enumerate(params) if not p.greedy]
+) -> list[int | str]:
+    """One token per row of ``logits`` ``[n, V]``, or for a row that cannot be sampled the
+    reason why (a ``str``); ``generators[i]`` is row i's (None: global)."""
+    finite = torch.isfinite(logits).all(dim=-1)
+    greedy: list[int] = torch.where(finite, logits.argmax(dim=-1), -1).tolist()
+    tokens: list[int | str] = [t if t >= 0 else NON_FINITE_LOGITS for t in greedy]
+    rows = [i for i, p in enumerate(params) if not p.greedy and greedy[i] >= 0]
     if not rows:
         return tokens
     device = logits.device
@@ -70,6 +81,13 @@ def sample(
         torch.tensor([p.top_k for p in chosen], dtype=torch.int64, device=device),
         torch.tensor([p.top_p for p in chosen], dtype=torch.float32, device=device),
     )
+    usable: list[bool] = torch.isfinite(probs).all(dim=-1).tolist()
     for j, i in enumerate(rows):
-        tokens[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]).item())
+        if usable[j]:
+            tokens[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]).item())
+        else:
+            tokens[i] = (
+                f"its logits divided by temperature {params[i].temperature:g} overflow float32 "
+                "(non-finite probabilities); use a larger temperature"
+            )
     return tokens

@@ -17,12 +17,16 @@ queued (``LLM.add_request``). Since any running request progresses every step wh
 lasts, and an empty engine always admits its queue's head, the engine cannot deadlock.
 
 ``schedule`` changes nothing a failed step would have to undo except by allocating blocks within a
-request's reservation; ``commit`` advances requests only once their logits were sampled.
+request's reservation (admitted requests stay admitted and the next step feeds the same positions
+through the same blocks); ``commit`` advances requests only once their logits were sampled, and
+finishes a request whose logits could not be sampled with ``FinishReason.ERROR``, freeing its
+blocks and row at once like any other finish.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 import attrs
 
@@ -106,14 +110,19 @@ class Scheduler:
             budget -= self._feed(step, request, budget)
         return step if step.chunks else None
 
-    def commit(self, step: ScheduledStep, sampled: list[int]) -> list[RequestOutput]:
-        """Advance every request of ``step``; ``sampled[j]`` is the token of ``sample_rows[j]``."""
+    def commit(self, step: ScheduledStep, sampled: Sequence[int | str]) -> list[RequestOutput]:
+        """Advance every request of ``step``; ``sampled[j]`` is the token of ``sample_rows[j]``, or
+        the reason it could not be sampled (that request then finishes with an error)."""
         for chunk, request in zip(step.chunks, step.requests, strict=True):
             request.num_computed += chunk.num_tokens
         finished: list[RequestOutput] = []
         requests = step.requests
         for index, token in zip(step.sample_rows, sampled, strict=True):
             request = requests[index]
+            if isinstance(token, str):
+                error = f"request {request.request_id!r} failed: {token}"
+                finished.append(self._finish(request, FinishReason.ERROR, error))
+                continue
             tokens = request.token_ids
             tokens.append(token)
             if token in request.stop_ids:
@@ -168,7 +177,9 @@ class Scheduler:
         step.requests.append(request)
         return count
 
-    def _finish(self, request: Request, reason: FinishReason) -> RequestOutput:
+    def _finish(
+        self, request: Request, reason: FinishReason, error: str | None = None
+    ) -> RequestOutput:
         assert request.row is not None
         self.blocks.free(request.block_ids)
         self.rows.free([request.row])
@@ -177,4 +188,4 @@ class Scheduler:
         request.block_tuple = ()
         request.row = None
         del self.live[request.request_id]
-        return request.output(reason)
+        return request.output(reason, error)

@@ -128,3 +128,41 @@ def test_cuda_matrix_every_allowed_cell_equals_eager_on_the_gpu() -> None:
         assert (cell["platform"], cell["simulated"]) == ("cuda", False)
         if cell["status"] != "refused":
             assert cell["status"] == "equal", cell
+
+
+def test_matrix_is_a_gate_failing_on_a_mismatch_unless_report_only(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # atol 0: padded graphs differ from unpadded eager by a few 1e-6, so those cells mismatch
+    argv = ["matrix", "--platform", "cpu", "--prompt-ids", "1,2,3,4,5", "--atol", "0"]
+    argv += ["--max-new-tokens", "2", "--capture-sizes", "1,2,8"]
+    assert main([*argv, "--json"]) == 1
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["failed_cells"] == payload["counts"]["mismatch"] > 0
+    assert main([*argv, "--report-only"]) == 0
+    assert "(reported only)" in capsys.readouterr().out
+
+
+def test_matrix_refuses_a_negative_tolerance(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["matrix", "--platform", "cpu", "--atol", "-1"]) == 2
+    assert "argument --atol: must be >= 0" in capsys.readouterr().err
+
+
+def test_an_error_in_a_cell_is_reported_and_fails_the_gate(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from runners import equivalence
+
+    real = equivalence.run_trace
+
+    def broken_graphs(spec, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if spec.cudagraph_mode != "NONE":
+            raise RuntimeError("injected kernel failure")
+        return real(spec, *args, **kwargs)
+
+    monkeypatch.setattr(equivalence, "run_trace", broken_graphs)
+    argv = ["matrix", "--platform", "cpu", "--prompt-ids", "1,2", "--max-new-tokens", "1"]
+    assert main([*argv, "--json"]) == 1
+    payload = json.loads(capsys.readouterr().out)
+    errors = [c for c in payload["cells"] if c["status"] == "error"]
+    assert errors and all(c["detail"] == "RuntimeError: injected kernel failure" for c in errors)
