@@ -177,15 +177,19 @@ def decode_latency(
 
 
 def decode_runners(
-    spec: EngineSpec, model_factory: Callable[[], DeepseekV4ForCausalLM]
+    spec: EngineSpec,
+    model_factory: Callable[[], DeepseekV4ForCausalLM],
+    names: Sequence[str] = tuple(DECODE_CONFIGS),
 ) -> dict[str, ModelRunner]:
-    """One runner per configuration of ``DECODE_CONFIGS``, each over its own model copy."""
+    """One runner per configuration of ``DECODE_CONFIGS`` in ``names``, each over its own
+    model copy."""
     return {
         name: build_engine(
             attrs.evolve(spec, runner=runner, cudagraph_mode=mode, eager_region=region),
             model=model_factory(),
         ).runner
         for name, (runner, mode, region) in DECODE_CONFIGS.items()
+        if name in names
     }
 
 

@@ -93,7 +93,9 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
     payload: dict[str, Any] = {"checkpoint": args.checkpoint, **_capture(base)}
     payload["method"] = _METHOD
     progress.update("timing decode steps")
-    payload["decode"] = _decode(spec, args)
+    payload["configurations"] = _configurations(spec)
+    runnable = [n for n, c in payload["configurations"].items() if "refused" not in c]
+    payload["decode"] = _decode(spec, args, runnable)
     progress.update("timing generation")
     payload["generation"] = _generation(base, spec, args)
     progress.done("benchmark done")
@@ -130,12 +132,44 @@ def _capture(base: EngineSpec) -> dict[str, Any]:
     }
 
 
-def _decode(spec: EngineSpec, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Median decode-step latency per configuration, thread count and batch size."""
+_COLUMNS = ("eager", "full", "narrow", "wide")
+_RATIOS = (("full", "eager"), ("narrow", "eager"), ("wide", "eager"), ("narrow", "wide"))
+
+
+def _configurations(spec: EngineSpec) -> dict[str, dict[str, Any]]:
+    """What each timed configuration resolved to on the platform measured, with the reasons of
+    any downgrade (a column named ``full`` may run PIECEWISE decode graphs where the platform
+    or runner forbids FULL ones)."""
+    from runners.benchmark import DECODE_CONFIGS
+    from runners.errors import ResolutionError
+    from runners.serving import resolve_spec
+
+    configurations: dict[str, dict[str, Any]] = {}
+    for name, (runner, mode, region) in DECODE_CONFIGS.items():
+        try:
+            resolution = resolve_spec(
+                attrs.evolve(spec, runner=runner, cudagraph_mode=mode, eager_region=region)
+            )
+        except ResolutionError as exc:
+            configurations[name] = {"refused": str(exc)}
+            continue
+        configurations[name] = {
+            "runner": resolution.runner.name,
+            "decode": resolution.decode_mode.name,
+            "mixed": resolution.mixed_mode.name,
+            "eager_region": resolution.eager_region.name,
+            "downgrades": [r for r in resolution.reasons if "downgraded" in r],
+        }
+    return configurations
+
+
+def _decode(spec: EngineSpec, args: argparse.Namespace, names: list[str]) -> list[dict[str, Any]]:
+    """Median decode-step latency per configuration in ``names`` (those the platform does not
+    refuse), thread count and batch size; a ratio with a refused side is ``None``."""
     from runners.benchmark import decode_latency, decode_runners
     from runners.serving import build_model
 
-    runners = decode_runners(spec, lambda: build_model(spec))
+    runners = decode_runners(spec, lambda: build_model(spec), names)
     latencies = decode_latency(
         runners, batch_sizes=args.batch_sizes, threads=args.threads, repeats=args.repeats
     )
@@ -145,10 +179,8 @@ def _decode(spec: EngineSpec, args: argparse.Namespace) -> list[dict[str, Any]]:
             "batch_size": row.batch_size,
             "median_us": {k: round(v, 1) for k, v in row.median_us.items()},
             "ratios": {
-                "full/eager": round(row.ratio("full", "eager"), 3),
-                "narrow/eager": round(row.ratio("narrow", "eager"), 3),
-                "wide/eager": round(row.ratio("wide", "eager"), 3),
-                "narrow/wide": round(row.ratio("narrow", "wide"), 3),
+                f"{a}/{b}": None if a not in names or b not in names else round(row.ratio(a, b), 3)
+                for a, b in _RATIOS
             },
         }
         for row in latencies
@@ -200,6 +232,11 @@ _METHOD = (
 )
 
 
+def _cell(value: float | None, width: int, spec: str) -> str:
+    """A right-aligned table cell; ``-`` for a configuration the platform refused."""
+    return f"{'-' if value is None else format(value, spec):>{width}}"
+
+
 def _mib(nbytes: int | None) -> str:
     """``nbytes`` in MiB, or ``n/a`` where the pool reports no size (``None``, as on CUDA)."""
     return "n/a" if nbytes is None else f"{nbytes / 2**20:.1f} MiB"
@@ -209,6 +246,19 @@ def render(payload: dict[str, Any]) -> str:
     simulated = " (simulated on the CPU)" if payload["simulated"] else ""
     lines = [
         f"platform {payload['platform']}{simulated}, device {payload['device']}",
+        "configurations: "
+        + "; ".join(
+            f"{name} = refused here"
+            if "refused" in c
+            else f"{name} = {c['runner']} decode {c['decode']}, mixed {c['mixed']}, "
+            f"region {c['eager_region']}"
+            for name, c in payload["configurations"].items()
+        ),
+        *(
+            f"  {name}: {reason}"
+            for name, c in payload["configurations"].items()
+            for reason in c.get("downgrades", [c.get("refused")])
+        ),
         "decode-step latency, median us (ratios from the same run):",
     ]
     lines.append(
@@ -217,10 +267,12 @@ def render(payload: dict[str, Any]) -> str:
     )
     for row in payload["decode"]:
         m, r = row["median_us"], row["ratios"]
+        times = " ".join(
+            _cell(m.get(name), 9, ".0f") for name in ("eager", "full", "narrow", "wide")
+        )
         lines.append(
-            f"  {row['threads']:>7} {row['batch_size']:>5} {m['eager']:>9.0f} {m['full']:>9.0f}"
-            f" {m['narrow']:>9.0f} {m['wide']:>9.0f}  {r['full/eager']:>10.3f}"
-            f" {r['narrow/wide']:>11.3f}"
+            f"  {row['threads']:>7} {row['batch_size']:>5} {times}  "
+            f"{_cell(r['full/eager'], 10, '.3f')} {_cell(r['narrow/wide'], 11, '.3f')}"
         )
     cap = payload["capture"]
     ratio = cap["held/eager_step_peak"]

@@ -49,6 +49,7 @@ def test_unknown_held_bytes_render_as_n_a() -> None:
         "platform": "cuda",
         "simulated": False,
         "device": "cuda",
+        "configurations": {},
         "decode": [],
         "capture": {
             "seconds_per_graph": [["FULL", 1, 0.01]],
@@ -93,3 +94,38 @@ def test_cuda_bench_reports_the_platform_and_positive_latencies() -> None:
     payload = json.loads(result.stdout)
     assert (payload["platform"], payload["simulated"], payload["device"]) == ("cuda", False, "cuda")
     _assert_measured(payload)
+
+
+def test_bench_labels_each_configuration_by_what_it_resolved_to() -> None:
+    """A platform that needs the wide region cannot run FULL graphs: the column named 'full'
+    then runs PIECEWISE decode graphs, and the benchmark says so with the reason."""
+    from typing import Any
+
+    from graphs import WideRegion
+    from graphs.backend import GraphBackend
+    from platforms import Platform
+    from platforms.cpu import tape_backend, tape_memory_pool
+    from runners.cli.bench import _configurations
+    from runners.serving import EngineSpec
+
+    class WideOnly(Platform):
+        name = "wideonly"
+        device_type = "cpu"
+        eager_region_strategy = WideRegion()
+        v2_excluded_architectures = frozenset()
+
+        def is_available(self) -> bool:
+            return True
+
+        def create_memory_pool(self) -> Any:
+            return tape_memory_pool()
+
+        def create_graph_backend(self, pool: Any) -> GraphBackend:
+            return tape_backend(pool)
+
+    configurations = _configurations(EngineSpec(platform=WideOnly()))
+    full = configurations["full"]
+    assert (full["decode"], full["eager_region"]) == ("PIECEWISE", "wide")
+    assert any("FULL downgraded to PIECEWISE" in r for r in full["downgrades"])
+    assert configurations["eager"]["downgrades"] == []
+    assert "narrower than the wide region" in configurations["narrow"]["refused"]
