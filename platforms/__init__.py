@@ -1,8 +1,10 @@
 """Platforms: the ``Platform`` ABC, the CUDA, ROCm and CPU platforms, the registry and plugins.
 
 A platform is a policy object (required eager region, V2-default exclusions, graph backend,
-memory pool). Nothing is resolved at import time: ``current_platform()`` decides on each call.
-Imports ``graphs`` only.
+memory pool). Nothing is resolved at import time: ``get_platform(name)`` looks a named platform
+up (an explicit name always wins), ``current_platform()`` decides on each call when none is
+named. The conformance kit for platform authors is ``platforms.testing`` (test-time only, not
+imported here). Imports ``graphs`` only.
 """
 
 from platforms.base import Platform

@@ -1,12 +1,24 @@
 """The conformance kit for platform authors: one base class, capability flags, strategies.
 
 Subclass ``PlatformConformanceTests`` in a test module, implement ``make_platform`` and set the
-flags your policy promises; the inherited tests check the policy and run the cross-strategy
-property suite on your platform (its device where available, simulated on the CPU otherwise).
-Test-time only: needs pytest and hypothesis.
+flags your policy promises; the inherited tests check the policy and prove every configuration
+the resolution allows equal to eager — a deterministic pass, then a random search — on your
+platform's device where available, simulated on the CPU otherwise (``SIMULATION_SCOPE`` says
+what a simulated run can and cannot refute). The kit carries its own hypothesis settings
+(``kit_settings``; ``HYPOTHESIS_PROFILE`` = ``dev``, ``ci`` or ``thorough``), so it needs no
+``conftest.py``. Test-time only: needs pytest and hypothesis.
 """
 
+from platforms.testing.checks import SIMULATION_SCOPE, SimulatedRunWarning
 from platforms.testing.conformance import PlatformConformanceTests
+from platforms.testing.settings import kit_settings
 from platforms.testing.strategies import prompt_batches, tiny_configs
 
-__all__ = ["PlatformConformanceTests", "prompt_batches", "tiny_configs"]
+__all__ = [
+    "SIMULATION_SCOPE",
+    "PlatformConformanceTests",
+    "SimulatedRunWarning",
+    "kit_settings",
+    "prompt_batches",
+    "tiny_configs",
+]

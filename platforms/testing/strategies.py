@@ -1,4 +1,5 @@
-"""Hypothesis strategies for platform conformance: tiny models and request batches.
+"""Hypothesis strategies for platform conformance: tiny models and request batches, and the
+fixed model and prompts of the kit's deterministic pass.
 
 Importable by platform authors (``from platforms.testing.strategies import tiny_configs``).
 The models are tiny so that capturing and replaying them on the CPU tape takes well under a
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 from dsv4.config import DeepseekV4Config
 
-__all__ = ["VOCAB", "prompt_batches", "tiny_configs"]
+__all__ = ["FIXED_PROMPTS", "VOCAB", "fixed_config", "prompt_batches", "tiny_configs"]
 
 VOCAB = 64
 _TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
@@ -59,3 +60,40 @@ def prompt_batches(
     """Batches of prompts of different lengths (1 .. ``max_len`` tokens)."""
     prompt = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=max_len)
     return st.lists(prompt, min_size=1, max_size=max_requests)
+
+
+FIXED_PROMPTS: tuple[tuple[int, ...], ...] = (
+    (5, 17, 42, 8, 61, 3, 29, 11, 50, 2, 36),
+    (7,),
+    (9, 1, 40, 1, 23),
+)
+"""Three requests for the deterministic pass: 11 tokens (a chunked prefill past the window and
+both compression rates), 1 (decode from the start) and 5 (padding to a captured size)."""
+
+
+def fixed_config() -> DeepseekV4Config:
+    """The deterministic pass's model: all three layer types, both MoE kinds, two streams."""
+    return DeepseekV4Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        head_dim=16,
+        q_lora_rank=16,
+        o_groups=2,
+        o_lora_rank=8,
+        partial_rotary_factor=0.5,
+        sliding_window=4,
+        layer_types=_TYPES,
+        compress_rate_csa=2,
+        compress_rate_hca=4,
+        index_n_heads=8,
+        index_head_dim=8,
+        index_topk=2,
+        hc_mult=2,
+        mlp_layer_types=("hash_moe", "moe", "moe"),
+        moe_intermediate_size=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )

@@ -145,12 +145,17 @@ def test_unknown_platform_lists_the_registered_names() -> None:
         get_platform("tpu")
 
 
-def test_register_platform_adds_a_name_and_refuses_a_duplicate() -> None:
+def test_register_platform_adds_a_name_and_refuses_another_class_under_it() -> None:
+    class Impostor(OfflinePlatform):
+        """Another class carrying the name ``offline``."""
+
     assert register_platform(OfflinePlatform) is OfflinePlatform
     try:
         assert get_platform("offline") == OfflinePlatform()
-        with pytest.raises(PlatformRegistrationError, match="already registered"):
-            register_platform(OfflinePlatform)
+        assert register_platform(OfflinePlatform) is OfflinePlatform  # the same platform again
+        with pytest.raises(PlatformRegistrationError, match="already registered by Offline"):
+            register_platform(Impostor)
+        assert type(get_platform("offline")) is OfflinePlatform
     finally:
         unregister_platform("offline")
     with pytest.raises(UnknownPlatformError):

@@ -8,7 +8,9 @@ install step. Module names are unique per test, so nothing leaks between tests.
 
 from __future__ import annotations
 
+import importlib
 import itertools
+import json
 import sys
 import textwrap
 from collections.abc import Callable
@@ -19,13 +21,17 @@ import pytest
 from graphs import FullGraph, WideRegion
 from platforms import (
     AmbiguousPlatformError,
+    CpuPlatform,
     PlatformPluginError,
     PlatformRegistry,
     current_platform,
     get_platform,
+    platform_names,
     simulate,
+    unregister_platform,
 )
 from runners import CUDAGraphMode, ModelRunnerV1, ModelRunnerV2, resolve
+from runners.cli.main import main
 
 PLATFORM_SOURCE = '''
 from graphs.strategies import {strategy}
@@ -53,6 +59,24 @@ class {cls}(CpuPlatform):
     @property
     def v2_excluded_architectures(self):
         return frozenset({{"DeepseekV4ForCausalLM"}})
+'''
+
+DECORATED_SOURCE = '''
+from graphs import WideRegion
+from platforms import CpuPlatform, register_platform
+
+
+@register_platform
+class DecoratedPlatform(CpuPlatform):
+    """Registered on import and named by its entry point, as the README's example is."""
+
+    @property
+    def name(self):
+        return "decorated"
+
+    @property
+    def eager_region_strategy(self):
+        return WideRegion()
 '''
 
 _counter = itertools.count()
@@ -138,10 +162,19 @@ def test_two_available_plugins_are_ambiguous(
     assert current_platform().name == "accel-b"
 
 
-def test_a_plugin_that_fails_to_import_is_a_loud_error(make_plugin: MakePlugin) -> None:
+def test_a_plugin_that_fails_to_import_is_a_loud_error(
+    make_plugin: MakePlugin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("DSV4_PLATFORM", raising=False)
     module = make_plugin("broken", source="raise ImportError('accelerator SDK missing')\n")
-    with pytest.raises(PlatformPluginError, match=rf"'broken'.*{module}.*SDK missing"):
-        get_platform("cpu")
+    loud = rf"'broken'.*{module}.*SDK missing"
+    with pytest.raises(PlatformPluginError, match=loud):
+        get_platform("broken")
+    with pytest.raises(PlatformPluginError, match=loud):  # detection never falls back silently
+        current_platform()
+    with pytest.raises(PlatformPluginError, match=loud):
+        platform_names()
+    assert get_platform("cpu") == CpuPlatform()  # a named platform does not load the others
 
 
 def test_a_plugin_object_that_is_not_a_platform_is_refused(make_plugin: MakePlugin) -> None:
@@ -156,7 +189,50 @@ def test_a_plugin_must_carry_its_entry_point_name(make_plugin: MakePlugin) -> No
         get_platform("other")
 
 
-def test_a_plugin_may_not_shadow_a_builtin(make_plugin: MakePlugin) -> None:
+def test_a_plugin_may_not_shadow_a_builtin(
+    make_plugin: MakePlugin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("DSV4_PLATFORM", raising=False)
     make_plugin("cuda")
-    with pytest.raises(PlatformPluginError, match="taken platform name 'cuda'"):
-        get_platform("accel")
+    taken = r"reuses the platform name 'cuda', taken by platforms\.cuda\.CudaPlatform"
+    with pytest.raises(PlatformPluginError, match=taken):
+        get_platform("cuda")
+    with pytest.raises(PlatformPluginError, match=taken):
+        current_platform()
+
+
+def test_a_registered_plugin_is_one_platform_not_a_collision(
+    make_plugin: MakePlugin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("DSV4_PLATFORM", raising=False)
+    module = make_plugin("decorated", source=DECORATED_SOURCE, target="DecoratedPlatform")
+    try:
+        platform = get_platform("decorated")  # imports the module: its decorator registers it
+        assert platform.eager_region_strategy == WideRegion()
+        assert get_platform("cpu") == CpuPlatform()
+        assert platform_names().count("decorated") == 1
+        assert current_platform() == platform  # one available out-of-tree platform, not two
+        reloaded = importlib.reload(sys.modules[module])  # registers the new class in its place
+        assert type(get_platform("decorated")) is reloaded.DecoratedPlatform
+        assert current_platform() == reloaded.DecoratedPlatform()
+    finally:
+        unregister_platform("decorated")
+
+
+def test_a_named_platform_wins_over_several_available_plugins(
+    make_plugin: MakePlugin, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("DSV4_PLATFORM", raising=False)
+    make_plugin("accel-a")
+    make_plugin("accel-b")
+    with pytest.raises(AmbiguousPlatformError, match="--platform"):
+        current_platform()  # nothing named: detection cannot choose
+    assert get_platform("accel-b").name == "accel-b"
+    assert resolve("DeepseekV4ForCausalLM", "accel-a").platform.name == "accel-a"
+    monkeypatch.setenv("DSV4_PLATFORM", "accel-a")  # a name given explicitly beats it too
+    for name in ("accel-b", "cpu"):
+        assert main(["explain", "--platform", name, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["platform"] == name
+    run = ["run", "--platform", "accel-b", "--prompt-ids", "1,2", "--max-new-tokens", "1"]
+    assert main([*run, "--cudagraph-mode", "NONE", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["platform"] == "accel-b"

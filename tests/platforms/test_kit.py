@@ -1,0 +1,150 @@
+"""The conformance kit's own promises: its settings, its warnings and the words of its failures.
+
+Kit subclasses here have no ``Test`` prefix, so pytest does not collect them as suites; each test
+calls one inherited check and reads the ``AssertionError`` it raises.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, Phase
+
+from graphs import WideRegion
+from graphs.backend import GraphBackend
+from graphs.strategies import EagerRegionStrategy
+from platforms import CpuPlatform, CudaPlatform, Platform
+from platforms.cpu import tape_backend
+from platforms.testing import (
+    SIMULATION_SCOPE,
+    PlatformConformanceTests,
+    SimulatedRunWarning,
+    kit_settings,
+)
+from platforms.testing.passes import random_search
+
+
+class CaptureFailsPlatform(CpuPlatform):
+    """Requires the wide region; its graph backend refuses to record anything."""
+
+    @property
+    def name(self) -> str:
+        return "nocapture"
+
+    @property
+    def eager_region_strategy(self) -> EagerRegionStrategy:
+        return WideRegion()
+
+    def create_graph_backend(self, pool: Any) -> GraphBackend:
+        backend = tape_backend(pool)
+
+        def refuse() -> None:
+            raise RuntimeError("this device cannot record graphs")
+
+        backend.begin_segment = refuse  # type: ignore[method-assign]
+        return backend
+
+
+class CpuClaimingWide(PlatformConformanceTests):
+    required_region = "wide"
+
+    def make_platform(self) -> Platform:
+        return CpuPlatform()
+
+
+class CpuClaimingExclusions(PlatformConformanceTests):
+    excludes_from_v2 = frozenset({"DeepseekV4ForCausalLM"})
+
+    def make_platform(self) -> Platform:
+        return CpuPlatform()
+
+
+class CaptureFails(PlatformConformanceTests):
+    required_region = "wide"
+
+    def make_platform(self) -> Platform:
+        return CaptureFailsPlatform()
+
+
+class CudaHere(PlatformConformanceTests):
+    def make_platform(self) -> Platform:
+        return CudaPlatform()
+
+
+@pytest.mark.parametrize(
+    ("profile", "examples", "derandomize", "shrinks"),
+    [("dev", 5, False, False), ("ci", 8, True, False), ("thorough", 200, False, True)],
+)
+def test_the_kit_settings_follow_the_profile_without_a_deadline(
+    profile: str, examples: int, derandomize: bool, shrinks: bool
+) -> None:
+    settings = kit_settings({"HYPOTHESIS_PROFILE": profile})
+    assert settings.deadline is None
+    assert {HealthCheck.too_slow, HealthCheck.data_too_large} <= set(settings.suppress_health_check)
+    assert (settings.max_examples, settings.derandomize) == (examples, derandomize)
+    assert (Phase.shrink in settings.phases) == shrinks
+
+
+def test_an_unknown_or_missing_profile_is_dev() -> None:
+    dev = kit_settings({"HYPOTHESIS_PROFILE": "dev"})
+    for environ in ({}, {"HYPOTHESIS_PROFILE": "nightly"}):
+        assert kit_settings(environ).max_examples == dev.max_examples
+
+
+def test_a_wrong_required_region_names_both_values() -> None:
+    with pytest.raises(
+        AssertionError,
+        match=r"platform cpu: the test class says required_region = 'wide', "
+        r"the platform's eager_region_strategy is 'full-graph'",
+    ):
+        CpuClaimingWide().test_policy_matches_the_declared_capabilities()
+
+
+def test_wrong_exclusions_name_both_values() -> None:
+    with pytest.raises(
+        AssertionError,
+        match=r"excludes_from_v2 = \['DeepseekV4ForCausalLM'\], "
+        r"the platform's v2_excluded_architectures is \[\]",
+    ):
+        CpuClaimingExclusions().test_policy_matches_the_declared_capabilities()
+    with pytest.raises(AssertionError, match=r"default resolution .* runner v2, expected v1"):
+        CpuClaimingExclusions().test_default_resolution_follows_the_design()
+
+
+def test_a_configuration_that_raises_is_named_with_the_exception() -> None:
+    kit = CaptureFails()
+    with pytest.raises(AssertionError) as failure:
+        kit.test_every_allowed_configuration_generates_the_eager_output()
+    message = str(failure.value)
+    graphs = [c for c in kit.allowed_configurations() if c.mode != "NONE"]
+    assert message.startswith(
+        f"platform nocapture (on its cpu device): {len(graphs)} of "
+        f"{len(kit.allowed_configurations())} allowed configurations differ from eager"
+    )
+    for configuration in graphs:
+        assert (
+            f"  {configuration}: raised RuntimeError: this device cannot record graphs" in message
+        )
+    assert isinstance(failure.value.__cause__, RuntimeError)  # its traceback is shown too
+
+
+def test_the_random_search_names_the_model_and_the_configuration() -> None:
+    graphs = [c for c in CaptureFails().allowed_configurations() if c.mode != "NONE"]
+    with pytest.raises(
+        AssertionError,
+        match=r"^platform nocapture \(on its cpu device\): runner v[12], graph mode \w+, "
+        r"region [\w-]+ \(resolved: [^)]*\): random model \(layers \[.*\], weights seed \d+\), "
+        r"prompts \[\[[\d, \[\]]+\]\]: raised RuntimeError: this device cannot record graphs\n",
+    ):
+        random_search(CaptureFailsPlatform(), graphs, atol=None, max_new_tokens=2)
+
+
+@pytest.mark.skipif(CudaPlatform().is_available(), reason="needs a machine without CUDA")
+def test_a_simulated_run_says_what_it_can_and_cannot_refute() -> None:
+    with pytest.warns(SimulatedRunWarning) as record:
+        platform = CudaHere().execution_platform()
+    assert platform.simulated and platform.name == "cuda"
+    message = str(record[0].message)
+    assert message.startswith("platform cuda (simulated on the CPU tape): ")
+    assert SIMULATION_SCOPE in message and "cannot refute" in message
