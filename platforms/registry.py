@@ -177,14 +177,19 @@ class PlatformRegistry:
         known = ", ".join(sorted({*self._classes, *entry_point_names}))
         raise UnknownPlatformError(f"unknown platform {name!r}; registered platforms: {known}")
 
-    def current(self, environ: Mapping[str, str] | None = None) -> Platform:
+    def current(
+        self, environ: Mapping[str, str] | None = None, *, simulated: bool = False
+    ) -> Platform:
         """The platform to run on now when none is named: ``DSV4_PLATFORM``, else detection (see
-        module docs). A caller holding a name calls ``get(name)`` instead."""
+        module docs). A caller holding a name calls ``get(name)`` instead. ``simulated``: the
+        caller will simulate it, so a platform named by ``DSV4_PLATFORM`` need not be available
+        here."""
         env = os.environ if environ is None else environ
         chosen = env.get(PLATFORM_ENV, "").strip()
         if chosen:
             platform = self.get(chosen)
-            platform.require_available()
+            if not simulated:
+                platform.require_available()
             return platform
         plugins = self.plugins()  # first: loading a plugin may register its class
         out_of_tree = {
@@ -243,7 +248,9 @@ def platform_names() -> tuple[str, ...]:
     return _DEFAULT.names()
 
 
-def current_platform() -> Platform:
+def current_platform(*, simulated: bool = False) -> Platform:
     """The platform to run on when none is named, decided now from ``DSV4_PLATFORM`` and the
-    machine (not cached); callers holding a name (``--platform``) use ``get_platform``."""
-    return _DEFAULT.current()
+    machine (not cached); callers holding a name (``--platform``) use ``get_platform``.
+    ``simulated``: the caller runs it simulated, so ``DSV4_PLATFORM`` may name a platform this
+    machine lacks."""
+    return _DEFAULT.current(simulated=simulated)
