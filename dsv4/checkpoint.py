@@ -8,12 +8,18 @@ Multi-token-prediction tensors (``mtp.*``) are skipped, as the reference does.
 
 Loading is strict: a missing, unexpected or mis-shaped tensor, a quantised tensor (fp8/fp4 data
 or its scale) or an unreadable file raises ``CheckpointError`` naming the tensor and file; the
-model is only returned when every parameter and persistent buffer was filled.
+model is only returned when every parameter and persistent buffer was filled. Values are checked
+too, since a bad one would otherwise surface as garbage tokens (NaN weights decode to token 0) or
+as an indexing failure deep inside a graph capture: ``TensorValueError`` names the tensor, the
+file, the first bad value and what was expected when a floating tensor holds NaN or inf once in
+the model's dtype (one ``isfinite`` pass per tensor), or a hash-routing table ``tid2eid`` holds an
+expert id outside ``0 .. n_routed_experts-1``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -27,7 +33,7 @@ from dsv4.model import DeepseekV4ForCausalLM
 from dsv4.weights import randomize_
 from graphs import EagerRegionStrategy, NarrowRegion
 
-__all__ = ["canonical_name", "load_checkpoint", "save_random_checkpoint"]
+__all__ = ["TensorValueError", "canonical_name", "load_checkpoint", "save_random_checkpoint"]
 
 _RENAMES = tuple(
     (re.compile(pattern), replacement)
@@ -66,6 +72,18 @@ _SKIPPED = re.compile(r"(^|\.)mtp\.")
 _QUANT_SCALE = re.compile(r"(\.scale|_scale_inv|\.scale_inv)$")
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 _INT_DTYPES = {"I16", "I32", "I64", "U16", "U32"}
+_HASH_TABLE = ".mlp.gate.tid2eid"
+"""Canonical-name suffix of a hash layer's token-to-expert table."""
+
+
+class TensorValueError(CheckpointError):
+    """A tensor of the right name, dtype and shape whose values the model cannot run with."""
+
+    def __init__(self, tensor: str, file: str, reason: str) -> None:
+        self.tensor = tensor
+        self.file = file
+        self.reason = reason
+        super().__init__(f"tensor {tensor!r} in {file} {reason}")
 
 
 def canonical_name(name: str) -> str:
@@ -91,7 +109,8 @@ def _tensors(directory: Path) -> list[tuple[Path, str]]:
 
 
 def _read(path: Path, key: str, expected: torch.Tensor) -> torch.Tensor:
-    """Read one tensor after checking its dtype and shape against the model's."""
+    """Read one tensor in the model's dtype, checking its dtype and shape against the model's
+    and that every value is finite there (a NaN, an inf, or an overflow of the cast)."""
     with safe_open(str(path), framework="pt") as handle:
         piece = handle.get_slice(key)
         dtype, shape = piece.get_dtype(), tuple(piece.get_shape())
@@ -108,7 +127,39 @@ def _read(path: Path, key: str, expected: torch.Tensor) -> torch.Tensor:
                 f"tensor {key!r} in {path.name} has shape {list(shape)}, "
                 f"expected {list(expected.shape)}"
             )
-        return handle.get_tensor(key)
+        stored = handle.get_tensor(key)
+    value = stored.to(expected.dtype)
+    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        bad = ~torch.isfinite(value)
+        first = bad.nonzero()[0].tolist()
+        count = f"{int(bad.sum())} of {value.numel()}"
+        was = stored[tuple(first)].item()
+        if math.isfinite(was):
+            dtype_name = str(value.dtype).removeprefix("torch.")
+            reason = (
+                f"has values that overflow {dtype_name}: {count}, the first {was:g} at index "
+                f"{first}; load it in float32 or bfloat16"
+            )
+        else:
+            reason = (
+                f"has non-finite values (NaN or inf): {count}, the first {was} at index {first}; "
+                "the weights are corrupt"
+            )
+        raise TensorValueError(key, path.name, reason)
+    return value
+
+
+def _check_expert_ids(table: torch.Tensor, path: Path, key: str, num_experts: int) -> None:
+    """Every entry of a hash-routing table must name one of the ``num_experts`` experts."""
+    bad = (table < 0) | (table >= num_experts)
+    if bool(bad.any()):
+        first = bad.nonzero()[0].tolist()
+        raise TensorValueError(
+            key,
+            path.name,
+            f"holds expert id {int(table[tuple(first)])} at index {first} (token {first[0]}); "
+            f"expert ids must be in 0..{num_experts - 1} (n_routed_experts={num_experts})",
+        )
 
 
 def _merge_experts(
@@ -185,7 +236,12 @@ def load_checkpoint(
     with torch.no_grad():
         for name, target in targets.items():
             source = sources[name]
-            value = source if isinstance(source, torch.Tensor) else _read(*source, target)
+            if isinstance(source, torch.Tensor):
+                target.copy_(source)
+                continue
+            value = _read(*source, target)
+            if name.endswith(_HASH_TABLE):
+                _check_expert_ids(value, *source, config.n_routed_experts)
             target.copy_(value)
     return model
 

@@ -26,6 +26,7 @@ import attrs
 from dsv4.errors import ConfigError
 
 __all__ = [
+    "ARCHITECTURE",
     "CSA",
     "HCA",
     "LAYER_TYPES",
@@ -34,6 +35,10 @@ __all__ = [
     "DeepseekV4Config",
     "YarnScaling",
 ]
+
+ARCHITECTURE = "DeepseekV4ForCausalLM"
+"""The ``architectures`` entry of ``config.json`` this library implements (the name of the model
+class ``DeepseekV4ForCausalLM``); every other use of the name derives from this one."""
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"

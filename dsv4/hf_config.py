@@ -12,7 +12,9 @@ Reading follows transformers 5.23.0 exactly where it changes the numbers:
   ``factor`` (and ``mscale``/``mscale_all_dim``), as the reference does.
 
 Values the reference accepts but this model does not implement raise ``ConfigError`` instead of
-being ignored silently (see the README section on supported fields).
+being ignored silently (see the README section on supported fields); an ``architectures`` entry
+other than ``ARCHITECTURE`` raises its subclass ``UnsupportedArchitectureError``, so a config
+written for another model is never run as DeepSeek-V4.
 """
 
 from __future__ import annotations
@@ -21,10 +23,36 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from dsv4.config import CSA, HCA, POSITIVE_INT_FIELDS, SLIDING, DeepseekV4Config, YarnScaling
+from dsv4.config import (
+    ARCHITECTURE,
+    CSA,
+    HCA,
+    POSITIVE_INT_FIELDS,
+    SLIDING,
+    DeepseekV4Config,
+    YarnScaling,
+)
 from dsv4.errors import ConfigError
 
-__all__ = ["config_from_hf_dict", "config_to_hf_dict"]
+__all__ = [
+    "UnsupportedArchitectureError",
+    "architecture_of",
+    "config_from_hf_dict",
+    "config_to_hf_dict",
+]
+
+
+class UnsupportedArchitectureError(ConfigError):
+    """``config.json`` names an architecture this library does not implement."""
+
+    def __init__(self, architecture: str) -> None:
+        self.architecture = architecture
+        self.supported = (ARCHITECTURE,)
+        super().__init__(
+            f"config.json names architecture {architecture!r}, which this library does not "
+            f"implement (supported: {', '.join(self.supported)})"
+        )
+
 
 _LEGACY_RATIO_TYPES = {0: SLIDING, 4: CSA, 128: HCA}
 
@@ -161,10 +189,25 @@ def _layer_types(raw: Mapping[str, Any], n: int) -> tuple[str, ...] | None:
     return tuple(_LEGACY_RATIO_TYPES[r] for r in ratios[:n])
 
 
+def architecture_of(raw: Mapping[str, Any]) -> str:
+    """The architecture a ``config.json`` dict names: ``ARCHITECTURE``, also when it names none
+    (``model_type`` then decides); any other entry raises ``UnsupportedArchitectureError``."""
+    names = raw.get("architectures")
+    if names is None:
+        return ARCHITECTURE
+    if not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"config field 'architectures' must be a list of strings, got {names!r}")
+    for name in names:
+        if name != ARCHITECTURE:
+            raise UnsupportedArchitectureError(name)
+    return ARCHITECTURE
+
+
 def config_from_hf_dict(raw: Mapping[str, Any]) -> DeepseekV4Config:
     """Build a ``DeepseekV4Config`` from a Hugging Face ``config.json`` dict."""
     if not isinstance(raw, Mapping):
         raise ConfigError(f"a config must be a JSON object, got {type(raw).__name__}")
+    architecture_of(raw)
     if raw.get("model_type", "deepseek_v4") != "deepseek_v4":
         raise ConfigError(f"model_type {raw['model_type']!r} is not 'deepseek_v4'")
     for key, expected in _FIXED.items():
@@ -245,7 +288,7 @@ def _rope_dict(theta: float, yarn: YarnScaling | None, prf: float) -> dict[str, 
 
 def config_to_hf_dict(config: DeepseekV4Config) -> dict[str, Any]:
     """The Hugging Face ``config.json`` dict (nested ``rope_parameters``, every value explicit)."""
-    out: dict[str, Any] = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4"}
+    out: dict[str, Any] = {"architectures": [ARCHITECTURE], "model_type": "deepseek_v4"}
     out.update({k: getattr(config, k) for k in _INT_FIELDS + _FLOAT_FIELDS})
     out.update(_FIXED)
     eos = config.eos_token_id

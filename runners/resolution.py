@@ -27,6 +27,7 @@ from typing import Any
 
 import attrs
 
+from dsv4.config import ARCHITECTURE
 from graphs.strategies import EagerRegionStrategy, FullGraph, NoGraph, strategy_from_name
 from platforms import Platform, current_platform, get_platform
 from runners.base import ModelRunner
@@ -45,7 +46,7 @@ __all__ = [
     "runner_from_name",
 ]
 
-DEFAULT_V2_ARCHITECTURES: frozenset[str] = frozenset({"DeepseekV4ForCausalLM"})
+DEFAULT_V2_ARCHITECTURES: frozenset[str] = frozenset({ARCHITECTURE})
 DEFAULT_CUDAGRAPH_MODE = CUDAGraphMode.FULL_AND_PIECEWISE
 RUNNER_ENV = "DSV4_RUNNER"
 RUNNERS: dict[str, type[ModelRunner]] = {"v1": ModelRunnerV1, "v2": ModelRunnerV2}

@@ -84,7 +84,7 @@ def resolve_platform(name: str | Platform | None, *, simulated: bool) -> Platfor
     if isinstance(name, Platform):
         platform = name
     else:
-        platform = current_platform() if name is None else get_platform(name)
+        platform = current_platform(simulated=simulated) if name is None else get_platform(name)
     return simulate(platform) if simulated else platform
 
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from dsv4.config import ARCHITECTURE
 from runners.cli.options import add_policy_options
 
 __all__ = ["add_arguments", "execute", "render"]
 
-DEFAULT_ARCHITECTURE = "DeepseekV4ForCausalLM"
+DEFAULT_ARCHITECTURE = ARCHITECTURE
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

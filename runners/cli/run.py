@@ -20,7 +20,7 @@ from runners.cli.progress import Progress
 from runners.cli.values import at_least, non_negative_float, probability
 from runners.threads import apply_threads
 
-__all__ = ["add_arguments", "execute", "render"]
+__all__ = ["add_arguments", "execute", "exit_code", "render"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,7 +74,7 @@ def spec_from_args(args: argparse.Namespace) -> Any:
 
 
 def execute(args: argparse.Namespace) -> dict[str, Any]:
-    from runners.engine import SamplingParams
+    from runners.engine import RequestFailedError, SamplingParams
     from runners.serving import build_engine
 
     prompts, from_text = parse_prompts(args.prompt_ids, args.prompt)
@@ -108,13 +108,16 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
     capture_s = time.perf_counter() - start
     progress.done(f"captured {len(engine.runner.captured)} graphs in {capture_s:.2f}s")
     start = time.perf_counter()
-    outputs = engine.llm.generate(
-        prompts,
-        params,
-        progress=lambda p: progress.update(
-            f"generating: {p.finished}/{p.total} requests, {p.generated_tokens} tokens"
-        ),
-    )
+    try:
+        outputs = engine.llm.generate(
+            prompts,
+            params,
+            progress=lambda p: progress.update(
+                f"generating: {p.finished}/{p.total} requests, {p.generated_tokens} tokens"
+            ),
+        )
+    except RequestFailedError as failure:
+        outputs = failure.outputs  # the others ran to completion: report them all
     generate_s = time.perf_counter() - start
     generated = sum(len(o.output_ids) for o in outputs)
     progress.done(f"generated {generated} tokens in {generate_s:.2f}s")
@@ -124,9 +127,11 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
             "prompt_ids": list(o.prompt_ids),
             "output_ids": list(o.output_ids),
             "finish_reason": o.finish_reason.value,
+            **({"error": o.error} if o.error is not None else {}),
         }
         for o in outputs
     ]
+    payload["failed_requests"] = sum(o.error is not None for o in outputs)
     payload["graphs"] = {
         "captured_sizes": sorted({size for _, size in engine.runner.captured}),
         "captured": [[mode.name, size] for mode, size in engine.runner.captured],
@@ -142,6 +147,11 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
     payload["byte_level"] = from_text
     payload["threads"] = threads
     return payload
+
+
+def exit_code(payload: dict[str, Any]) -> int:
+    """1 when any request failed (its output says why; the others are reported as usual)."""
+    return 1 if payload["failed_requests"] else 0
 
 
 def _text(ids: list[int]) -> str:
@@ -162,6 +172,8 @@ def render(payload: dict[str, Any]) -> str:
     for i, out in enumerate(payload["outputs"]):
         lines.append(f"[{i}] prompt {out['prompt_ids']}")
         lines.append(f"    output {out['output_ids']} ({out['finish_reason']})")
+        if "error" in out:
+            lines.append(f"    error  {out['error']}")
         if payload["byte_level"]:
             lines.append(f"    text   {_text(out['prompt_ids'])!r} -> {_text(out['output_ids'])!r}")
     lines.append(

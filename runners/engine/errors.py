@@ -57,5 +57,5 @@ class RequestFailedError(EngineError, RuntimeError):
         finished = len(self.outputs) - len(self.failed)
         super().__init__(
             f"{self.failed[0].error}{more}; {finished} of the call's {len(self.outputs)} "
-            "requests finished normally (their outputs are in the exception's .outputs)"
+            "requests finished normally"
         )

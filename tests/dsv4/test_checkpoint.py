@@ -17,9 +17,10 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dsv4.checkpoint import load_checkpoint, save_random_checkpoint
+from dsv4.checkpoint import TensorValueError, load_checkpoint, save_random_checkpoint
 from dsv4.config import DeepseekV4Config
 from dsv4.errors import CheckpointError, ConfigError
+from dsv4.hf_config import UnsupportedArchitectureError
 from dsv4.testing import run_schedule
 from tests.dsv4.support import configs, hf_logits, hf_twin, random_model
 
@@ -131,6 +132,18 @@ def _fp8(name: str) -> Callable[[dict[str, torch.Tensor]], None]:
     return lambda tensors: tensors.__setitem__(name, tensors[name].to(torch.float8_e4m3fn))
 
 
+def _poke(
+    name: str, index: tuple[int, ...], value: float
+) -> Callable[[dict[str, torch.Tensor]], None]:
+    """Set one entry of a tensor (a corrupt weight, a router table pointing nowhere)."""
+
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        tensors[name] = tensors[name].clone()
+        tensors[name][index] = value
+
+    return edit
+
+
 BAD_TENSORS: list[tuple[str, Callable[[dict[str, torch.Tensor]], None], str]] = [
     (
         "missing",
@@ -173,6 +186,34 @@ BAD_TENSORS: list[tuple[str, Callable[[dict[str, torch.Tensor]], None], str]] = 
         _set("model.layers.0.ffn.gate.tid2eid", torch.zeros(320, 2)),
         "'model.layers.0.ffn.gate.tid2eid' in model.safetensors is F32",
     ),
+    (
+        "NaN weight",
+        _poke("model.layers.0.attn.wq_a.weight", (5, 7), float("nan")),
+        "tensor 'model.layers.0.attn.wq_a.weight' in model.safetensors has non-finite values "
+        "(NaN or inf): 1 of 8192, the first nan at index [5, 7]; the weights are corrupt",
+    ),
+    (
+        "inf in one expert",
+        _poke("model.layers.1.ffn.experts.2.w2.weight", (0, 3), float("-inf")),
+        "tensor 'model.layers.1.ffn.experts.2.w2.weight' in model.safetensors has non-finite "
+        "values (NaN or inf): 1 of 8192, the first -inf at index [0, 3]",
+    ),
+    (
+        "NaN fp32 buffer",
+        _poke("model.layers.1.ffn.gate.bias", (2,), float("nan")),
+        "'model.layers.1.ffn.gate.bias' in model.safetensors has non-finite values",
+    ),
+    (
+        "expert id too large",
+        _poke("model.layers.0.ffn.gate.tid2eid", (17, 1), 4),
+        "tensor 'model.layers.0.ffn.gate.tid2eid' in model.safetensors holds expert id 4 at index "
+        "[17, 1] (token 17); expert ids must be in 0..3 (n_routed_experts=4)",
+    ),
+    (
+        "negative expert id",
+        _poke("model.layers.0.ffn.gate.tid2eid", (0, 0), -1),
+        "holds expert id -1 at index [0, 0] (token 0); expert ids must be in 0..3",
+    ),
 ]
 
 
@@ -190,6 +231,62 @@ def test_bad_tensors_give_one_line_errors(
         load_checkpoint(directory)
     assert message in str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_value_errors_carry_the_tensor_file_and_reason(
+    hf_saved: tuple[Path, torch.Tensor], tmp_path: Path
+) -> None:
+    name = "model.layers.2.ffn.gate.weight"
+    directory = _rewrite(hf_saved[0], tmp_path / "nan", _poke(name, (1, 1), float("inf")))
+    with pytest.raises(TensorValueError) as error:
+        load_checkpoint(directory)
+    assert (error.value.tensor, error.value.file) == (name, "model.safetensors")
+    assert error.value.reason.startswith("has non-finite values (NaN or inf): 1 of 512")
+    assert isinstance(error.value, CheckpointError)
+
+
+def test_a_weight_that_overflows_the_requested_dtype_is_refused(
+    hf_saved: tuple[Path, torch.Tensor], tmp_path: Path
+) -> None:
+    name = "model.layers.0.attn.wkv.weight"
+    directory = _rewrite(hf_saved[0], tmp_path / "big", _poke(name, (3, 2), 1e6))
+    load_checkpoint(directory)  # fine in float32
+    with pytest.raises(TensorValueError, match=r"overflow float16: 1 of \d+, the first 1e\+06 at"):
+        load_checkpoint(directory, dtype=torch.float16)
+
+
+def test_hash_tables_in_other_integer_dtypes_are_range_checked(
+    hf_saved: tuple[Path, torch.Tensor], tmp_path: Path
+) -> None:
+    name = "model.layers.0.ffn.gate.tid2eid"
+
+    def narrow(tensors: dict[str, torch.Tensor]) -> None:
+        tensors[name] = tensors[name].to(torch.int32)
+
+    fine = _rewrite(hf_saved[0], tmp_path / "int32", narrow)
+    assert (_ours(fine) - hf_saved[1]).abs().max() <= 1e-4
+    table = load_checkpoint(fine).model.layers[0].mlp.gate.tid2eid
+    bad = _rewrite(fine, tmp_path / "int32-bad", _poke(name, (9, 0), 7))
+    with pytest.raises(TensorValueError, match=r"expert id 7 at index \[9, 0\]"):
+        load_checkpoint(bad)
+    assert table.dtype == torch.int64 and int(table.max()) < 4
+
+
+def test_a_checkpoint_of_another_architecture_is_refused(
+    hf_saved: tuple[Path, torch.Tensor], tmp_path: Path
+) -> None:
+    directory = _rewrite(hf_saved[0], tmp_path / "llama", lambda tensors: None)
+    raw = json.loads((directory / "config.json").read_text())
+    assert raw["architectures"] == ["DeepseekV4ForCausalLM"]
+    (directory / "config.json").write_text(
+        json.dumps({**raw, "architectures": ["LlamaForCausalLM"]})
+    )
+    with pytest.raises(UnsupportedArchitectureError) as error:
+        load_checkpoint(directory)
+    assert str(error.value) == (
+        "config.json names architecture 'LlamaForCausalLM', which this library does not "
+        "implement (supported: DeepseekV4ForCausalLM)"
+    )
 
 
 def test_bad_directories_give_one_line_errors(

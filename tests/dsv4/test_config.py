@@ -12,9 +12,14 @@ import transformers
 from hypothesis import given, settings
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
 
-from dsv4.config import CSA, HCA, SLIDING, DeepseekV4Config
+from dsv4.config import ARCHITECTURE, CSA, HCA, SLIDING, DeepseekV4Config
 from dsv4.errors import ConfigError
+from dsv4.hf_config import UnsupportedArchitectureError, architecture_of
+from dsv4.model import DeepseekV4ForCausalLM
 from dsv4.rope import RotaryEmbedding
+from runners import ModelRunnerV2
+from runners.serving import EngineSpec, resolve_spec
+from runners.serving import architecture_of as spec_architecture
 from tests.dsv4.support import configs
 
 BASE: dict[str, Any] = {
@@ -161,6 +166,16 @@ BAD: list[tuple[dict[str, Any], str]] = [
         "different partial_rotary_factor",
     ),
     ({"model_type": "llama"}, "model_type 'llama'"),
+    (
+        {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
+        "config.json names architecture 'LlamaForCausalLM', which this library does not "
+        "implement (supported: DeepseekV4ForCausalLM)",
+    ),
+    (
+        {"architectures": [ARCHITECTURE, "DeepseekV3ForCausalLM"]},
+        "architecture 'DeepseekV3ForCausalLM'",
+    ),
+    ({"architectures": ARCHITECTURE}, "'architectures' must be a list of strings"),
     ({"hidden_size": "big"}, "'hidden_size' must be an integer"),
     ({"hidden_size": 0}, "hidden_size must be a positive integer"),
     ({"rms_norm_eps": -1.0}, "rms_norm_eps must be a positive number"),
@@ -181,3 +196,28 @@ def test_unreadable_config_files(tmp_path: Path) -> None:
     (tmp_path / "list.json").write_text("[1, 2]")
     with pytest.raises(ConfigError, match="must be a JSON object"):
         DeepseekV4Config.from_json_file(tmp_path / "list.json")
+
+
+def test_the_architecture_name_has_one_definition() -> None:
+    assert ARCHITECTURE == DeepseekV4ForCausalLM.__name__ == "DeepseekV4ForCausalLM"
+    assert DeepseekV4Config.tiny().to_hf_dict()["architectures"] == [ARCHITECTURE]
+    assert architecture_of({}) == architecture_of({"architectures": [ARCHITECTURE]}) == ARCHITECTURE
+    with pytest.raises(UnsupportedArchitectureError) as error:
+        architecture_of({"architectures": ["LlamaForCausalLM"]})
+    assert (error.value.architecture, error.value.supported) == (
+        "LlamaForCausalLM",
+        (ARCHITECTURE,),
+    )
+    assert isinstance(error.value, ConfigError)
+
+
+def test_an_engine_for_another_architecture_is_refused_before_resolution(tmp_path: Path) -> None:
+    """It used to load the DeepSeek-V4 model anyway, on the runner the other name resolved to."""
+    raw = {**DeepseekV4Config.tiny().to_hf_dict(), "architectures": ["LlamaForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    spec = EngineSpec(checkpoint=tmp_path, platform="cpu")
+    with pytest.raises(UnsupportedArchitectureError, match="'LlamaForCausalLM'"):
+        resolve_spec(spec)
+    assert spec_architecture(EngineSpec()) == ARCHITECTURE
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "architectures": [ARCHITECTURE]}))
+    assert resolve_spec(spec).runner is ModelRunnerV2

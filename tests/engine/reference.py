@@ -7,12 +7,13 @@ it writes each fed token into its own flat cache at the slot the chunk's blocks 
 history back through the same blocks. So a wrong position, a wrong or shared block, a block freed
 while still in use, a skipped or duplicated token all change the logits, and with them the tokens;
 the engine's output then differs from ``reference_generate``, which calls ``history_logits`` on the
-true history. It also checks every rule of the ``StepExecutor`` contract on every call.
+true history. It also checks every rule of the ``StepExecutor`` contract on every call, and can
+fail on demand: a whole call (``fail_next``) or the logits of chosen requests (``poisoned``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -58,6 +59,8 @@ class ReferenceExecutor:
         self.steps: list[list[ScheduledChunk]] = []
         self.fail_next: Exception | None = None
         """If set, the next call writes its tokens, then raises this (a mid-step failure)."""
+        self.poisoned: Callable[[list[int]], bool] = lambda history: False
+        """Rows whose token history this accepts get NaN logits (a model gone bad for them)."""
 
     def _slot(self, chunk: ScheduledChunk, position: int) -> int:
         return chunk.block_ids[position // self.block_size] * self.block_size + (
@@ -114,7 +117,10 @@ class ReferenceExecutor:
             history = [self.cache[self._slot(chunk, p)] for p in range(end)]
             if any(t is None for t in history):
                 raise ContractViolation(f"row {chunk.row} reads a position never written")
-            logits[i] = history_logits([t for t in history if t is not None], self.vocab_size)
+            tokens = [t for t in history if t is not None]
+            logits[i] = (
+                float("nan") if self.poisoned(tokens) else history_logits(tokens, self.vocab_size)
+            )
         return logits
 
 

@@ -7,6 +7,9 @@ prompts crossing the compressed windows, eager and replayed steps.
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -16,7 +19,7 @@ from dsv4.weights import randomize_
 from graphs import EagerRegionStrategy, NarrowRegion, WideRegion
 from platforms import CpuPlatform
 from runners import CacheLayout, CUDAGraphMode, ModelRunner, ModelRunnerV1, ModelRunnerV2
-from runners.engine import LLM, SamplingParams
+from runners.engine import LLM, RequestFailedError, SamplingParams
 
 torch.set_num_threads(1)
 
@@ -77,3 +80,49 @@ def test_engine_over_runner_equals_full_recompute(
     assert (stats.free_blocks, stats.free_rows) == (24, 2)
     replayed_modes = {mode for mode, _ in runner.captured}
     assert replayed_modes == {m for m in (decode, mixed) if m is not CUDAGraphMode.NONE}
+
+
+def v2_runner(model: DeepseekV4ForCausalLM) -> ModelRunner:
+    return ModelRunnerV2(
+        model,
+        platform=CpuPlatform(),
+        layout=CacheLayout(num_blocks=24, block_size=8, max_rows=2, max_blocks_per_row=6),
+        decode_mode=CUDAGraphMode.FULL,
+        mixed_mode=CUDAGraphMode.PIECEWISE,
+        capture_sizes=(1, 2, 4),
+        max_num_tokens=32,
+    )
+
+
+def test_a_request_the_model_turns_to_nan_fails_alone_and_its_blocks_are_reused_cleanly(
+    reference_tokens: list[tuple[int, ...]],
+) -> None:
+    """A NaN embedding row poisons every request holding that token, and only those: the failed
+    request's row and blocks (holding NaN KV) are reused by the next requests without effect."""
+    unused = sorted(set(range(259, 320)) - {t for out in reference_tokens for t in out})
+    model = tiny_model(NarrowRegion())
+    with torch.no_grad():
+        model.model.embed_tokens.weight[unused[0]] = float("nan")
+    llm = LLM(v2_runner(model), max_num_batched_tokens=16)
+    with pytest.raises(RequestFailedError, match=r"^request '0' failed: its logits hold NaN") as e:
+        llm.generate([[unused[0], 65, 66], *PROMPTS], SamplingParams(max_tokens=MAX_TOKENS))
+    assert [o.output_ids for o in e.value.outputs[1:]] == reference_tokens
+    outputs = [o.output_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))]
+    assert outputs == reference_tokens
+
+
+def test_one_engine_over_a_runner_shared_by_two_threads(
+    reference_tokens: list[tuple[int, ...]],
+) -> None:
+    """It used to fail most calls with "row 0: 0 token ids for 1" (steps interleaved)."""
+    llm = LLM(v2_runner(tiny_model(NarrowRegion())), max_num_batched_tokens=16)
+    start = threading.Barrier(2, timeout=30)
+
+    def calls(_: int) -> list[list[tuple[int, ...]]]:
+        start.wait()
+        params = SamplingParams(max_tokens=MAX_TOKENS)
+        return [[o.output_ids for o in llm.generate(PROMPTS, params)] for _ in range(3)]
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(calls, range(2)))
+    assert results == [[reference_tokens] * 3] * 2

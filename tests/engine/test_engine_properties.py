@@ -1,6 +1,7 @@
-"""Hypothesis: random caches, budgets, arrivals, aborts and executor failures; the engine's tokens
-equal the reference loop's, every step keeps the scheduling and block-accounting invariants, and
-everything is free at the end."""
+"""Hypothesis: random caches, budgets, arrivals, aborts, executor failures and requests whose
+logits turn to NaN; the engine's tokens equal the reference loop's (a failed request's up to its
+failure), every step keeps the scheduling and block-accounting invariants, and everything is free
+at the end."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ torch.set_num_threads(1)
 
 VOCAB = 12
 MAX_STEPS = 500
+POISON = VOCAB - 1
+"""First prompt token of the requests whose logits turn to NaN (no other prompt starts with it)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -30,6 +33,7 @@ class Arrival:
     params: SamplingParams
     at_step: int
     abort_at: int | None
+    poisoned: bool
 
 
 @attrs.frozen(kw_only=True)
@@ -38,6 +42,8 @@ class Scenario:
     budget: int
     arrivals: tuple[Arrival, ...]
     failing_steps: frozenset[int]
+    poison_length: int
+    """A poisoned request's logits are NaN once its history is this long."""
 
 
 tokens = st.integers(0, VOCAB - 1)
@@ -74,12 +80,18 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         params=greedy | seeded,
         at_step=st.integers(0, 8),
         abort_at=st.none() | st.integers(0, 20),
+        poisoned=st.booleans(),
+    ).map(
+        lambda a: attrs.evolve(
+            a, prompt=(POISON if a.poisoned else a.prompt[0] % POISON, *a.prompt[1:])
+        )
     )
     return Scenario(
         executor=sizes,
         budget=draw(st.integers(1, sizes["max_num_tokens"])),
         arrivals=tuple(draw(st.lists(arrival, min_size=1, max_size=6))),
         failing_steps=draw(st.frozensets(st.integers(0, 20), max_size=2)),
+        poison_length=draw(st.integers(1, context + 4)),
     )
 
 
@@ -111,6 +123,7 @@ def check_step_invariants(llm: LLM, executor: ReferenceExecutor, budget: int, be
 @given(scenarios())
 def test_engine_equals_reference_under_any_schedule(scenario: Scenario) -> None:
     executor = ReferenceExecutor(**scenario.executor)
+    executor.poisoned = lambda h: h[0] == POISON and len(h) >= scenario.poison_length
     llm = LLM(executor, max_num_batched_tokens=scenario.budget)
     ids: dict[str, Arrival] = {}
     results: dict[str, RequestOutput] = {}
@@ -154,6 +167,10 @@ def test_engine_equals_reference_under_any_schedule(scenario: Scenario) -> None:
         output = results[request_id]
         want, reason = reference_generate(arrival.prompt, arrival.params, VOCAB)
         assert output.prompt_ids == arrival.prompt
+        healthy = max(scenario.poison_length - len(arrival.prompt), 0)
+        if arrival.poisoned and len(want) > healthy:
+            want, reason = want[:healthy], FinishReason.ERROR
+        assert (output.error is not None) == (output.finish_reason is FinishReason.ERROR)
         if output.finish_reason is FinishReason.ABORT:
             assert output.output_ids == want[: len(output.output_ids)]
         else:

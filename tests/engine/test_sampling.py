@@ -1,5 +1,5 @@
 """Sampling against a hand-written float64 reference of the filtering rules, plus greedy ties,
-batch invariance, seeds, and the empirical distribution of draws."""
+batch invariance, seeds, the empirical distribution of draws, and rows that fail alone."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from runners.engine import SamplingParams
-from runners.engine.sampling import filtered_probs, sample, seeded_generator
+from runners.engine.sampling import NON_FINITE_LOGITS, filtered_probs, sample, seeded_generator
 
 torch.set_num_threads(1)
 
@@ -152,3 +152,50 @@ def test_draws_follow_the_filtered_distribution() -> None:
     counts = torch.bincount(torch.tensor(tokens), minlength=6).float() / n
     assert counts[want == 0].sum() == 0
     torch.testing.assert_close(counts, want, atol=0.035, rtol=0)
+
+
+@given(
+    st.lists(st.sampled_from(["ok", "nan", "inf", "-inf", "overflow"]), min_size=1, max_size=6),
+    st.integers(0, 2**32),
+)
+def test_rows_that_cannot_be_sampled_fail_alone(kinds: list[str], seed: int) -> None:
+    """A failed row gets its reason; every other row gets the token it gets without it."""
+    logits = torch.randn(len(kinds), 24, generator=torch.Generator().manual_seed(seed)) * 3
+    params: list[SamplingParams] = []
+    for i, kind in enumerate(kinds):
+        if kind in ("nan", "inf", "-inf"):
+            logits[i, (seed + i) % 24] = float(kind)
+        tiny = kind == "overflow"
+        temperature = 1e-45 if tiny else [0.0, 0.7, 1.3][(seed + i) % 3]
+        params.append(SamplingParams(temperature=temperature, top_p=0.9, seed=seed + i))
+
+    def generators() -> list[torch.Generator]:
+        return [seeded_generator(seed + i, logits.device) for i in range(len(kinds))]
+
+    got = sample(logits, params, generators())
+    alone = [
+        sample(logits[i : i + 1], params[i : i + 1], generators()[i : i + 1])[0]
+        for i in range(len(kinds))
+    ]
+    assert got == alone
+    for kind, result, p in zip(kinds, got, params, strict=True):
+        if kind == "ok":
+            assert isinstance(result, int)
+        elif kind == "overflow":
+            assert result == (
+                f"its logits divided by temperature {p.temperature:g} overflow float32 "
+                "(non-finite probabilities); use a larger temperature"
+            )
+        else:
+            assert result == NON_FINITE_LOGITS
+
+
+def test_filtering_an_overflowed_row_keeps_a_token_instead_of_raising() -> None:
+    """Scaled logits of inf used to cut every token with top_p < 1 (gather at index -1)."""
+    probs = filtered_probs(
+        torch.tensor([[1.0, 2.0, 3.0]]),
+        torch.tensor([1e-45]),
+        torch.tensor([0]),
+        torch.tensor([0.5]),
+    )
+    assert probs.shape == (1, 3)
