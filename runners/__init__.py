@@ -8,7 +8,7 @@ Imports ``graphs``, ``platforms`` and ``dsv4``; nothing is resolved at import ti
 
 from runners.base import ModelRunner
 from runners.batch import DEFAULT_CAPTURE_SIZES, BatchDescriptor
-from runners.engine import LLM, SamplingParams
+from runners.engine import LLM, RequestFailedError, SamplingParams
 from runners.errors import (
     CaptureSizeError,
     ResolutionError,
@@ -27,6 +27,7 @@ from runners.resolution import (
     resolve,
     runner_from_name,
 )
+from runners.serving import Engine, EngineSpec, build_engine
 from runners.v1 import ModelRunnerV1
 from runners.v2 import ModelRunnerV2
 
@@ -39,9 +40,12 @@ __all__ = [
     "CUDAGraphMode",
     "CacheLayout",
     "CaptureSizeError",
+    "Engine",
+    "EngineSpec",
     "ModelRunner",
     "ModelRunnerV1",
     "ModelRunnerV2",
+    "RequestFailedError",
     "Resolution",
     "ResolutionError",
     "RunnerInputError",
@@ -50,6 +54,7 @@ __all__ = [
     "UnknownModeError",
     "UnknownRunnerError",
     "UnsafeRegionError",
+    "build_engine",
     "resolve",
     "runner_from_name",
 ]
