@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from runners.cli.errors import UsageError
-from runners.cli.options import PLATFORM_HELP, SIMULATE_HELP, parse_int_list
+from runners.cli.options import PLATFORM_HELP, SIMULATE_HELP, parse_positive_int_list
 from runners.cli.progress import Progress
+from runners.cli.values import at_least
 
 if TYPE_CHECKING:
     from runners.benchmark import GenerationThroughput
@@ -42,38 +43,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--simulate", action="store_true", help=SIMULATE_HELP)
     parser.add_argument(
         "--batch-sizes",
-        type=parse_int_list,
+        type=parse_positive_int_list,
         default=[1, 4, 16],
         metavar="N,N,...",
         help="decode batch sizes (default: 1,4,16)",
     )
     parser.add_argument(
         "--threads",
-        type=parse_int_list,
+        type=parse_positive_int_list,
         default=[1, 2],
         metavar="N,N,...",
         help="torch thread counts (default: 1,2)",
     )
-    parser.add_argument("--repeats", type=int, default=50, help="timed rounds (default: 50)")
+    parser.add_argument(
+        "--repeats", type=at_least(1), default=50, help="timed rounds (default: 50)"
+    )
     parser.add_argument(
         "--vs-transformers",
         action="store_true",
         help="also time transformers' generate on the same weights (needs transformers)",
     )
     parser.add_argument(
-        "--generate-prompts", type=int, default=4, help="prompts for the throughput run (4)"
+        "--generate-prompts", type=at_least(1), default=4, help="prompts for the throughput run (4)"
     )
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="default: 32")
-    parser.add_argument("--rounds", type=int, default=3, help="throughput rounds (default: 3)")
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=32, help="default: 32")
+    parser.add_argument(
+        "--rounds", type=at_least(1), default=3, help="throughput rounds (default: 3)"
+    )
 
 
 def _validate(args: argparse.Namespace) -> None:
-    for name in ("batch_sizes", "threads"):
-        if any(v < 1 for v in getattr(args, name)):
-            raise UsageError(f"--{name.replace('_', '-')} values must be >= 1")
-    for name in ("repeats", "generate_prompts", "max_new_tokens", "rounds"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
     if max(args.batch_sizes) > 16:
         raise UsageError("--batch-sizes are at most 16 (the runner's block-table rows)")
 

@@ -11,6 +11,8 @@ import os
 import sys
 import traceback
 
+from platforms.errors import UnknownPlatformError
+
 __all__ = ["EXIT_INTERNAL", "EXIT_RUNTIME", "EXIT_USAGE", "UsageError", "report_failure"]
 
 EXIT_RUNTIME = 1
@@ -27,8 +29,9 @@ def _one_line(message: str) -> str:
 
 
 def report_failure(command: str, exc: BaseException) -> int:
-    """Print ``exc`` as one line on stderr and return the exit code for it."""
-    if isinstance(exc, UsageError):
+    """Print ``exc`` as one line on stderr and return the exit code for it (an unknown platform
+    name is a bad flag value: it can only have come from ``--platform`` or ``DSV4_PLATFORM``)."""
+    if isinstance(exc, (UsageError, UnknownPlatformError)):
         code = EXIT_USAGE
     elif isinstance(exc, (ValueError, LookupError, RuntimeError, OSError)):
         code = EXIT_RUNTIME

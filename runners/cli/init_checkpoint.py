@@ -20,6 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--preset",
         default="tiny",
+        choices=tuple(PRESETS),
         help=f"model size preset: {', '.join(PRESETS)} (default: tiny)",
     )
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")

@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from runners.cli.options import MODE_CHOICES, RUNNER_CHOICES, SIMULATE_HELP, parse_int_list
+from runners.cli.options import (
+    MODE_CHOICES,
+    RUNNER_CHOICES,
+    SIMULATE_HELP,
+    parse_positive_int_list,
+    parse_token_ids,
+)
 from runners.cli.progress import Progress
 from runners.cli.values import at_least, non_negative_float
 from runners.threads import apply_threads
@@ -61,14 +67,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prompt-ids",
         action="append",
-        type=parse_int_list,
+        type=parse_token_ids,
         metavar="ID,ID,...",
         help="prompts (repeatable; default: three prompts of 5, 21 and 37 tokens)",
     )
-    parser.add_argument("--max-new-tokens", type=int, default=8, help="default: 8")
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=8, help="default: 8")
     parser.add_argument(
         "--capture-sizes",
-        type=parse_int_list,
+        type=parse_positive_int_list,
         default=[1, 2, 4, 8, 16],
         metavar="N,N,...",
         help="default: 1,2,4,8,16",

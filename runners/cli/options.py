@@ -16,7 +16,9 @@ __all__ = [
     "add_model_options",
     "add_policy_options",
     "parse_int_list",
+    "parse_positive_int_list",
     "parse_prompts",
+    "parse_token_ids",
 ]
 
 RUNNER_CHOICES = ("auto", "v1", "v2")
@@ -71,7 +73,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--simulate", action="store_true", help=SIMULATE_HELP)
     group.add_argument(
         "--capture-sizes",
-        type=parse_int_list,
+        type=parse_positive_int_list,
         default=None,
         metavar="N,N,...",
         help="token counts to capture graphs for (default: 1,2,4,8,16,32)",
@@ -94,6 +96,24 @@ def parse_int_list(text: str) -> list[int]:
     except ValueError:
         bad = next(item for item in items if not item.lstrip("-").isdigit())
         raise argparse.ArgumentTypeError(f"{bad!r} is not an integer (in {text!r})") from None
+
+
+def parse_positive_int_list(text: str) -> list[int]:
+    """``parse_int_list`` whose every value is ``>= 1`` (sizes, counts)."""
+    values = parse_int_list(text)
+    bad = [v for v in values if v < 1]
+    if bad:
+        raise argparse.ArgumentTypeError(f"values must be >= 1, got {bad[0]} (in {text!r})")
+    return values
+
+
+def parse_token_ids(text: str) -> list[int]:
+    """``parse_int_list`` whose every value is a token id (``>= 0``)."""
+    values = parse_int_list(text)
+    bad = [v for v in values if v < 0]
+    if bad:
+        raise argparse.ArgumentTypeError(f"token ids are >= 0, got {bad[0]} (in {text!r})")
+    return values
 
 
 def parse_prompts(

@@ -15,7 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from runners.cli.errors import UsageError
-from runners.cli.options import add_model_options, add_policy_options, parse_int_list, parse_prompts
+from runners.cli.options import (
+    add_model_options,
+    add_policy_options,
+    parse_prompts,
+    parse_token_ids,
+)
 from runners.cli.progress import Progress
 from runners.cli.values import at_least, non_negative_float, probability
 from runners.threads import apply_threads
@@ -28,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prompts.add_argument(
         "--prompt-ids",
         action="append",
-        type=parse_int_list,
+        type=parse_token_ids,
         metavar="ID,ID,...",
         help="a prompt as comma-separated token ids (repeatable)",
     )
@@ -74,7 +79,7 @@ def spec_from_args(args: argparse.Namespace) -> Any:
 
 
 def execute(args: argparse.Namespace) -> dict[str, Any]:
-    from runners.engine import RequestFailedError, SamplingParams
+    from runners.engine import InvalidRequestError, RequestFailedError, SamplingParams
     from runners.serving import build_engine
 
     prompts, from_text = parse_prompts(args.prompt_ids, args.prompt)
@@ -97,7 +102,10 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
         eos_token_id=eos,
     )
     for prompt in prompts:
-        engine.llm.check(prompt, params)
+        try:
+            engine.llm.check(prompt, params)
+        except InvalidRequestError as refused:
+            raise UsageError(f"{_flags_of(refused)}: {refused}") from None
     progress.update("capturing graphs")
     start = time.perf_counter()
     engine.runner.capture(
@@ -147,6 +155,14 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
     payload["byte_level"] = from_text
     payload["threads"] = threads
     return payload
+
+
+def _flags_of(refused: Exception) -> str:
+    """The flags a refused request came from: its length is prompt plus new tokens."""
+    from runners.engine import RequestTooLongError
+
+    prompt = "--prompt-ids/--prompt"
+    return f"{prompt}/--max-new-tokens" if isinstance(refused, RequestTooLongError) else prompt
 
 
 def exit_code(payload: dict[str, Any]) -> int:

@@ -118,29 +118,46 @@ def test_init_checkpoint_then_run_it(tmp_path: Path, capsys: pytest.CaptureFixtu
         (["run", "--prompt", ""], "--prompt is empty"),
         (["run"], "no prompt given"),
         (["run", "--prompt-ids", "1,x,3"], "'x' is not an integer"),
-        (["run", "--prompt-ids", "1,2", "--capture-sizes", "0,2"], "capture size 0"),
+        (["run", "--prompt-ids", "1,-3"], "argument --prompt-ids: token ids are >= 0, got -3"),
+        (["run", "--prompt-ids", "1,2", "--capture-sizes", "0,2"], "--capture-sizes: values"),
         (["run", "--prompt-ids", "1,2", "--platform", "tpu"], "unknown platform 'tpu'"),
+        (["run", "--prompt-ids", "1,99999"], "--prompt-ids/--prompt: "),
+        (["run", "--prompt-ids", ",".join(["1"] * 600)], "--prompt-ids/--prompt/--max-new-tokens"),
+        (["run", "--prompt-ids", "1", "--max-new-tokens", "0"], "--max-new-tokens: must be >= 1"),
+        (["run", "--prompt-ids", "1", "--top-k", "-1"], "argument --top-k: must be >= 0"),
+        (["explain"], "--platform"),
+        (["init-checkpoint", "x", "--preset", "huge"], "argument --preset: invalid choice"),
+        (["bench", "--batch-sizes", "0"], "argument --batch-sizes: values must be >= 1"),
+        (["bench", "--repeats", "0"], "argument --repeats: must be >= 1"),
+        (["bench", "--platform", "tpu"], "unknown platform 'tpu'"),
+        (["matrix", "--platform", "tpu"], "unknown platform 'tpu'"),
+        (["matrix", "--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1"),
+    ],
+)
+def test_every_bad_flag_value_is_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], argv: list[str], needle: str
+) -> None:
+    code, line = _error(capsys, argv)
+    assert code == 2
+    assert needle in line
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
         pytest.param(
             ["run", "--prompt-ids", "1,2", "--platform", "cuda"],
             "not available",
             marks=pytest.mark.skipif(torch.cuda.is_available(), reason="cuda is available here"),
         ),
-        (["run", "--prompt-ids", "1,99999"], "99999"),
-        (["run", "--prompt-ids", ",".join(["1"] * 600)], "600"),
-        (["run", "--prompt-ids", "1", "--max-new-tokens", "0"], "--max-new-tokens: must be >= 1"),
         (["run", "--prompt-ids", "1", "--runner", "v1", "--eager-region", "narrow"], "wide"),
-        (["explain"], "--platform"),
-        (["init-checkpoint", "x", "--preset", "huge"], "unknown preset"),
-        (["bench", "--batch-sizes", "0"], ">= 1"),
-        (["bench", "--platform", "tpu"], "unknown platform 'tpu'"),
-        (["matrix", "--platform", "tpu"], "unknown platform 'tpu'"),
     ],
 )
-def test_bad_input_is_one_line_and_a_non_zero_exit(
+def test_a_refused_run_is_one_line_and_exit_1(
     capsys: pytest.CaptureFixture[str], argv: list[str], needle: str
 ) -> None:
     code, line = _error(capsys, argv)
-    assert code != 0
+    assert code == 1
     assert needle in line
 
 
