@@ -1,12 +1,13 @@
 """Breakable graph capture: eager-region strategies, captures, backends and audits.
 
-Imports torch only; never resolves a platform.
+Imports torch only; never resolves a platform. ``graphs/tape/`` is the CPU op tape; every other
+module is one concept (``capture``, ``strategies``, ``audit``, ``cuda_backend``, ...).
 """
 
 from graphs.allocations import AllocationTracker
 from graphs.audit import AuditFinding, AuditMode, AuditReport
-from graphs.capture import BreakableCapture
-from graphs.eager_break import eager_break_during_capture
+from graphs.capture import BreakableCapture, eager_break_during_capture
+from graphs.cuda_backend import CudaGraphBackend
 from graphs.errors import BackendUnavailableError, CaptureAuditError, CaptureError
 from graphs.forward_context import ForwardContext, forward_context, get_forward_context
 from graphs.static_memory import StaticMemory
@@ -31,6 +32,7 @@ __all__ = [
     "BreakableCapture",
     "CaptureAuditError",
     "CaptureError",
+    "CudaGraphBackend",
     "EagerRegionStrategy",
     "ForwardContext",
     "FullGraph",

@@ -16,14 +16,12 @@ from types import CodeType, FrameType
 
 import torch
 
-import graphs
-
 __all__ = ["user_location"]
 
 _SKIPPED_ROOTS = tuple(
-    os.path.dirname(os.path.abspath(module.__file__)) + os.sep
-    for module in (torch, graphs)
-    if module.__file__ is not None
+    os.path.dirname(os.path.abspath(path)) + os.sep
+    for path in (torch.__file__, __file__)  # torch's package folder, and this one (graphs)
+    if path is not None
 )
 _internal_code: dict[CodeType, bool] = {}  # memo: whether a code object is machinery
 

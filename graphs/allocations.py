@@ -14,23 +14,15 @@ Invariants:
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from graphs._ops import LITERALS, QuietDispatchMode, op_name
 from graphs._source import user_location
 from graphs._tensor_refs import WeakStorage, storage_key, tensors_of
 
 __all__ = ["AllocationSites", "AllocationTracker", "new_allocations"]
-
-_LITERALS = frozenset({"lift_fresh", "lift", "lift_fresh_copy"})
-
-
-@functools.cache
-def _is_literal(func: torch._ops.OpOverload) -> bool:
-    return func._schema.name.split("::")[-1] in _LITERALS
 
 
 def new_allocations(
@@ -38,7 +30,7 @@ def new_allocations(
 ) -> list[torch.Tensor]:
     """The outputs of ``func`` whose storage no input shares (literals count as new)."""
     outs = tensors_of(result)
-    if _is_literal(func):
+    if op_name(func) in LITERALS:
         return outs
     inputs = {storage_key(t) for t in tensors_of((args, kwargs))}
     return [o for o in outs if storage_key(o) not in inputs]
@@ -63,14 +55,8 @@ class AllocationSites:
         entry = self._sites.get(storage_key(tensor))
         return None if entry is None else entry[1]
 
-    def __contains__(self, tensor: object) -> bool:
-        return isinstance(tensor, torch.Tensor) and storage_key(tensor) in self._sites
 
-    def __len__(self) -> int:
-        return len(self._sites)
-
-
-class AllocationTracker(TorchDispatchMode):
+class AllocationTracker(QuietDispatchMode):
     """Dispatch mode that records the allocation site of every tensor made while it is active.
 
     Use ``with tracker: build_metadata()``; it may be entered again later and accumulates.
@@ -80,18 +66,9 @@ class AllocationTracker(TorchDispatchMode):
         super().__init__()
         self.sites = AllocationSites()
 
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # never under torch.compile; skipping would import dynamo (seconds)
-
-    def __torch_dispatch__(
-        self,
-        func: torch._ops.OpOverload,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
+    def dispatch(
+        self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        kwargs = kwargs or {}
         result = func(*args, **kwargs)
         allocated = new_allocations(func, args, kwargs, result)
         if allocated:

@@ -19,13 +19,14 @@ into an ``AuditReport``), ``"off"`` (no audit mode at all).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import attrs
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from graphs._ops import LITERALS, QuietDispatchMode, arguments, is_like_factory, op_name
 from graphs._source import user_location
 from graphs._tensor_refs import WeakStorage, storage_key
 from graphs.allocations import AllocationSites, AllocationTracker, new_allocations
@@ -36,9 +37,6 @@ __all__ = ["AUDIT_MODES", "AuditFinding", "AuditMode", "AuditReport", "CaptureAu
 
 AuditMode = Literal["raise", "report", "off"]
 AUDIT_MODES: tuple[AuditMode, ...] = ("raise", "report", "off")
-_METADATA_ONLY_PREFIXES = ("new_",)
-_METADATA_ONLY_SUFFIXES = ("_like",)
-_METADATA_ONLY = frozenset({"lift_fresh", "lift", "lift_fresh_copy"})
 
 
 @attrs.frozen(kw_only=True)
@@ -93,43 +91,12 @@ class AuditReport:
         return "\n".join(lines)
 
 
-_Slot = tuple[int, str, bool, str]
-"""A schema argument as ``_accessed`` walks it: (position, name, keyword-only, access)."""
-
-_slots: dict[torch._ops.OpOverload, tuple[_Slot, ...]] = {}
-_touching: dict[torch._ops.OpOverload, bool] = {}
-
-
-def _schema_slots(func: torch._ops.OpOverload) -> tuple[_Slot, ...]:
-    # Cached per overload: the schema walk costs more than the op on small tensors.
-    slots = _slots.get(func)
-    if slots is None:
-        slots = tuple(
-            (
-                position,
-                argument.name,
-                argument.kwarg_only,
-                "writes"
-                if argument.alias_info is not None and argument.alias_info.is_write
-                else "reads",
-            )
-            for position, argument in enumerate(func._schema.arguments)
-        )
-        _slots[func] = slots
-    return slots
-
-
 def _accessed(
     func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Iterator[tuple[torch.Tensor, str]]:
     """Each tensor argument of ``func`` with ``"reads"`` or ``"writes"`` per its schema."""
-    for position, name, kwarg_only, access in _schema_slots(func):
-        if name in kwargs:
-            value = kwargs[name]
-        elif position < len(args) and not kwarg_only:
-            value = args[position]
-        else:
-            continue
+    for value, written in arguments(func, args, kwargs):
+        access = "writes" if written else "reads"
         values = value if isinstance(value, (list, tuple)) else (value,)
         for v in values:
             if isinstance(v, torch.Tensor):
@@ -157,20 +124,15 @@ _EAGER_ARGUMENT_CONSEQUENCE = (
 )
 
 
+@functools.cache
 def _touches_data(func: torch._ops.OpOverload) -> bool:
-    touches = _touching.get(func)
-    if touches is None:
-        name = func._schema.name.split("::")[-1]
-        touches = _touching[func] = not (
-            name in _METADATA_ONLY
-            or name.startswith(_METADATA_ONLY_PREFIXES)
-            or name.endswith(_METADATA_ONLY_SUFFIXES)
-            or torch.Tag.inplace_view in func.tags
-        )
-    return touches
+    """False for ops that make or reshape metadata only: literals, ``new_*`` and ``*_like``
+    factories, in-place views."""
+    name = op_name(func)
+    return not (name in LITERALS or is_like_factory(name) or torch.Tag.inplace_view in func.tags)
 
 
-class CaptureAudit(TorchDispatchMode):
+class CaptureAudit(QuietDispatchMode):
     """Dispatch mode auditing one capture; enter it before the capture's first segment."""
 
     def __init__(
@@ -193,21 +155,12 @@ class CaptureAudit(TorchDispatchMode):
         self._findings: list[AuditFinding] = []
         self._seen: set[tuple[int, str, str]] = set()
 
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # never under torch.compile; skipping would import dynamo (seconds)
-
     def report(self) -> AuditReport:
         return AuditReport(mode=self.mode, findings=tuple(self._findings))
 
-    def __torch_dispatch__(
-        self,
-        func: torch._ops.OpOverload,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
+    def dispatch(
+        self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        kwargs = kwargs or {}
         capturing = self._is_capturing()
         result = func(*args, **kwargs)
         allocated = new_allocations(func, args, kwargs, result)

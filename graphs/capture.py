@@ -2,12 +2,21 @@
 
 Use::
 
+    @eager_break_during_capture
+    def attend(q, out): ...               # host logic, writes into the buffer it is given
+
     with BreakableCapture(device=device) as capture:
         out = model(static_inputs)        # graph, eager, graph, ... as the breaks fall
     ...                                   # overwrite the static inputs in place
     capture.replay()                      # `out` now holds the result for the new inputs
 
 Invariants:
+- A function decorated with ``eager_break_during_capture`` is a plain call outside a capture.
+  Called while a graph segment records, it ends that segment, runs for real, is recorded as an
+  eager segment and a new graph segment begins. Inside an eager segment (no graph segment
+  records) and inside a FULL capture (``full=True``) it runs inline: a break nested in a wider
+  eager region costs nothing and runs again on every replay through the outer one; under FULL
+  its work is captured.
 - Segments alternate graph / eager in issue order, except that a graph stretch that recorded no
   work is dropped (two breaks back to back give two adjacent eager segments). ``replay`` runs
   them in that order. ``num_graphs`` and ``num_eager_breaks`` count them.
@@ -18,9 +27,9 @@ Invariants:
   segment once right after recording it, before the eager break that follows runs — on every
   backend. The last graph segment is not replayed: a capture's outputs hold junk until the first
   ``replay()``.
-- With ``full=True`` breaks run inline and their work is captured (a FULL graph).
-- The capture is thread-local; entering one while another is active in the thread raises
-  ``CaptureError``; leaving the context, normally or by exception, always clears it.
+- The capture is thread-local: at most one is active per thread; entering one while another is
+  active in the thread raises ``CaptureError``; leaving the context, normally or by exception,
+  always clears it.
 - A capture that raised, or that recorded nothing, cannot be replayed (``CaptureError``).
 - Replay runs in inference mode exactly when the capture was recorded in it, so eager segments
   may write into the inference tensors the captured work made, wherever replay is called.
@@ -38,6 +47,8 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar
@@ -46,16 +57,35 @@ import attrs
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from graphs import _active
 from graphs.allocations import AllocationTracker
 from graphs.audit import AUDIT_MODES, AuditMode, AuditReport, CaptureAudit
-from graphs.backend import GraphBackend, GraphSegment
+from graphs.backend import GraphBackend, GraphSegment, backend_for_device
 from graphs.errors import CaptureError
 from graphs.static_memory import StaticMemory
 
-__all__ = ["BreakableCapture", "EagerSegment", "backend_for_device"]
+__all__ = ["BreakableCapture", "EagerSegment", "eager_break_during_capture"]
 
 R = TypeVar("R")
+
+_active = threading.local()
+"""``_active.capture``: the capture active in this thread, if any."""
+
+
+def _current() -> BreakableCapture | None:
+    return getattr(_active, "capture", None)
+
+
+def eager_break_during_capture(fn: Callable[..., R]) -> Callable[..., R]:
+    """Decorate ``fn`` so that it becomes an eager segment when called while a graph records."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> R:
+        capture = _current()
+        if capture is None or capture.full or not capture._recording.on:
+            return fn(*args, **kwargs)
+        return capture.add_eager(fn, args, kwargs)
+
+    return wrapper
 
 
 @attrs.frozen
@@ -69,24 +99,6 @@ class EagerSegment:
 
     def replay(self) -> None:
         self.fn(*self.held_args, **self.held_kwargs)
-
-    @property
-    def label(self) -> str:
-        return getattr(self.fn, "__qualname__", repr(self.fn))
-
-
-def backend_for_device(device: torch.device | str) -> GraphBackend:
-    """The graph backend for ``device``: the CUDA graph backend on CUDA, the op tape on the CPU."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        from graphs.cuda_backend import CudaGraphBackend
-
-        return CudaGraphBackend(device=device)
-    if device.type == "cpu":
-        from graphs.tape import TapeBackend
-
-        return TapeBackend()
-    raise CaptureError(f"no graph backend for device type {device.type!r} (expected cpu or cuda)")
 
 
 class _Recording:
@@ -134,7 +146,11 @@ class BreakableCapture:
     def __enter__(self) -> BreakableCapture:
         if self._state != "new":
             raise CaptureError("a BreakableCapture can be entered only once")
-        _active.activate(self)
+        if _current() is not None:
+            raise CaptureError(
+                "a breakable capture is already active in this thread; captures cannot be nested"
+            )
+        _active.capture = self
         self._state = "capturing"
         self._inference_mode = torch.is_inference_mode_enabled()
         try:
@@ -142,7 +158,7 @@ class BreakableCapture:
             self._begin_graph()
         except BaseException:
             self._stop_audit()
-            _active.deactivate(self)
+            _active.capture = None
             self._state = "failed"
             raise
         return self
@@ -164,13 +180,10 @@ class BreakableCapture:
             raise
         finally:
             self._stop_audit()
-            _active.deactivate(self)
+            if _current() is self:
+                _active.capture = None
 
-    # -- used by eager_break_during_capture -------------------------------------------------
-    def breaks_here(self) -> bool:
-        """True when a call to an eager break must become its own eager segment now."""
-        return self._recording.on and not self.full
-
+    # -- eager breaks ------------------------------------------------------------------------
     def add_eager(self, fn: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
         """End the current graph segment, replay it so that its outputs hold what a replay gives,
         run ``fn`` for real on them, record it, and begin the next graph segment."""
@@ -207,11 +220,6 @@ class BreakableCapture:
         if self._audit is None:
             return AuditReport(mode=self.audit_mode)
         return self._audit.report()
-
-    @property
-    def capturing(self) -> bool:
-        """True while a graph segment is recording (false inside an eager segment)."""
-        return self._recording.on
 
     @property
     def segments(self) -> tuple[GraphSegment | EagerSegment, ...]:

@@ -26,8 +26,8 @@ from typing import Any
 
 import attrs
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from graphs._ops import QuietDispatchMode
 from graphs._tensor_refs import tensors_of
 from graphs.backend import PoolGraphs
 from graphs.errors import BackendUnavailableError, CaptureError
@@ -51,7 +51,7 @@ class CudaGraphPool:
         return f"CudaGraphPool(handle={self.handle}, live_graphs={self.graphs.num_live})"
 
 
-class _SegmentWatch(TorchDispatchMode):
+class _SegmentWatch(QuietDispatchMode):
     """Counts the ATen ops a segment issues and notes the storages their outputs live in."""
 
     def __init__(self, produced: set[int]) -> None:
@@ -59,20 +59,11 @@ class _SegmentWatch(TorchDispatchMode):
         self.count = 0
         self.produced = produced
 
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        """Keep torch from importing dynamo and wrapping every op of this mode."""
-        return False
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
+    def dispatch(
+        self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         self.count += 1
-        result = func(*args, **(kwargs or {}))
+        result = func(*args, **kwargs)
         for t in tensors_of(result):
             self.produced.add(t.untyped_storage().data_ptr())
         return result

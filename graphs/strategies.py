@@ -1,6 +1,7 @@
-"""Eager-region strategies: which part of an attention layer runs eagerly under graph capture.
+"""Eager regions: which part of an attention layer runs eagerly under graph capture.
 
-The strategies form a chain ordered by how much of the layer runs eagerly::
+Each region is an ``EagerRegionStrategy``; the four form a chain ordered by how much of the layer
+runs eagerly::
 
     FullGraph  <  NarrowRegion  <  WideRegion  <  NoGraph
 
@@ -8,10 +9,10 @@ Invariants:
 - Wider is always safe, narrower is faster. ``a.join(b)`` is the wider of the two, so joining the
   requirements of a platform, a model runner and a graph mode yields the narrowest region that
   satisfies all three.
-- A strategy is a value: instances of one class are equal and hash alike, and each has a stable
+- A region is a value: instances of one class are equal and hash alike, and each has a stable
   ``name`` (``full-graph``, ``narrow``, ``wide``, ``no-graph``) used by the CLI and in reasons.
 - ``compose(prepare, attend)`` is the only way an attention layer turns its two private steps into
-  the callable its ``forward`` calls; every strategy computes ``attend(prepare(*args))`` and they
+  the callable its ``forward`` calls; every region computes ``attend(prepare(*args))`` and they
   differ only in where eager breaks are placed, so outside a capture all four are the same
   function.
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
-from graphs.eager_break import eager_break_during_capture
+from graphs.capture import eager_break_during_capture
 
 __all__ = [
     "STRATEGIES",
@@ -38,11 +39,10 @@ Prepared = Any
 
 
 class EagerRegionStrategy:
-    """Base of the four strategies; subclasses fix ``name`` and ``rank`` and the break layout."""
+    """Base of the four regions; subclasses fix ``name`` and ``rank`` and the break layout."""
 
     name: ClassVar[str]
     rank: ClassVar[int]
-    description: ClassVar[str]
 
     def join(self, other: EagerRegionStrategy) -> EagerRegionStrategy:
         """The wider of ``self`` and ``other`` (the least upper bound on the chain)."""
@@ -97,7 +97,6 @@ class FullGraph(EagerRegionStrategy):
 
     name = "full-graph"
     rank = 0
-    description = "nothing eager; the whole forward is one graph"
 
     def compose(
         self, prepare: Callable[..., Prepared], attend: Callable[[Prepared], R]
@@ -110,7 +109,6 @@ class NarrowRegion(EagerRegionStrategy):
 
     name = "narrow"
     rank = 1
-    description = "attention core eager; input preparation captured"
 
     def compose(
         self, prepare: Callable[..., Prepared], attend: Callable[[Prepared], R]
@@ -123,7 +121,6 @@ class WideRegion(EagerRegionStrategy):
 
     name = "wide"
     rank = 2
-    description = "input preparation and attention core eager together"
 
     def compose(
         self, prepare: Callable[..., Prepared], attend: Callable[[Prepared], R]
@@ -136,16 +133,15 @@ class NoGraph(WideRegion):
 
     name = "no-graph"
     rank = 3
-    description = "nothing captured"
 
 
 STRATEGIES: tuple[EagerRegionStrategy, ...] = (FullGraph(), NarrowRegion(), WideRegion(), NoGraph())
 
 
 def strategy_from_name(name: str) -> EagerRegionStrategy:
-    """Look a strategy up by its stable name; raise ``ValueError`` listing the valid names."""
-    for strategy in STRATEGIES:
-        if strategy.name == name:
-            return strategy
-    valid = ", ".join(s.name for s in STRATEGIES)
+    """Look a region up by its stable name; raise ``ValueError`` listing the valid names."""
+    for region in STRATEGIES:
+        if region.name == name:
+            return region
+    valid = ", ".join(r.name for r in STRATEGIES)
     raise ValueError(f"unknown eager region {name!r}; expected one of: {valid}")

@@ -19,7 +19,7 @@ __all__ = ["CpuPlatform", "tape_backend", "tape_memory_pool"]
 
 def tape_memory_pool() -> Any:
     """A fresh tape arena pool (shared by every capture of one backend)."""
-    from graphs.tape_memory import TapePool
+    from graphs.tape import TapePool
 
     return TapePool()
 

@@ -30,10 +30,10 @@ from typing import Any, TypeVar
 
 import attrs
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv4 import DeepseekV4ForCausalLM
 from dsv4.metadata import ScheduledChunk
+from graphs._ops import QuietDispatchMode
 from graphs._tensor_refs import WeakStorage, storage_key, tensors_of
 from runners.base import ModelRunner
 from runners.engine import SamplingParams
@@ -205,7 +205,7 @@ def capture_cost(runner: ModelRunner, held_bytes: Callable[[], int | None]) -> C
     )
 
 
-class _PeakLiveBytes(TorchDispatchMode):
+class _PeakLiveBytes(QuietDispatchMode):
     """Live bytes of the storages ops allocate while active, and their peak after any op."""
 
     def __init__(self) -> None:
@@ -213,18 +213,10 @@ class _PeakLiveBytes(TorchDispatchMode):
         self._live: dict[int, tuple[WeakStorage, int]] = {}
         self.peak = 0
 
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # never under torch.compile; skipping would import dynamo (seconds)
-
-    def __torch_dispatch__(
-        self,
-        func: torch._ops.OpOverload,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
+    def dispatch(
+        self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        result = func(*args, **(kwargs or {}))
+        result = func(*args, **kwargs)
         self._live = {k: v for k, v in self._live.items() if not v[0].expired()}
         for t in tensors_of(result):
             key = storage_key(t)

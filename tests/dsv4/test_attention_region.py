@@ -24,7 +24,7 @@ from dsv4.cache import allocate_kv_caches
 from dsv4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from dsv4.metadata import ScheduledChunk, new_metadata
 from graphs import STRATEGIES, CaptureError, EagerRegionStrategy, ForwardContext, forward_context
-from graphs.legality import check_capturable
+from graphs.tape.legality import check_capturable
 from tests.dsv4.support import configs, random_model
 
 torch.set_num_threads(1)

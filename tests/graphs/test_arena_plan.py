@@ -10,7 +10,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from graphs.tape_memory import ALIGNMENT, Lifetime, plan_offsets
+from graphs.tape.memory import ALIGNMENT, Lifetime, plan_offsets
 
 
 def _reference(blocks: list[Lifetime]) -> tuple[dict[int, int], int]:

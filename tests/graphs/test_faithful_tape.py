@@ -29,7 +29,7 @@ from graphs import (
     eager_break_during_capture,
 )
 from graphs.backend import PoolGraphs
-from graphs.tape_stale import OutsideWrites, junk_value
+from graphs.tape.stale import OutsideWrites, junk_value
 
 
 @pytest.fixture
@@ -99,7 +99,7 @@ def test_reading_a_captured_index_before_replay_fails_loudly() -> None:
 
 
 def test_without_junk_the_bad_read_goes_unseen(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("graphs.tape.fill_junk", lambda storage, dtype: None)
+    monkeypatch.setattr("graphs.tape.backend.fill_junk", lambda storage, dtype: None)
     assert not _reads_a_capture_output_before_replay()
 
 
@@ -322,7 +322,7 @@ def test_a_capture_that_raises_leaves_the_backend_usable(no_cyclic_gc: None) -> 
 
 
 def test_a_failed_begin_leaves_the_tape_not_recording(monkeypatch: pytest.MonkeyPatch) -> None:
-    from graphs.tape_record import Recorder
+    from graphs.tape.recording import Recorder
 
     backend = TapeBackend()
     with monkeypatch.context() as patch:

@@ -6,7 +6,7 @@ same ops are fine in an eager break, which re-runs them (with fresh host decisio
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -50,12 +50,7 @@ LEGAL: dict[str, Program] = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("case", sorted(ILLEGAL))

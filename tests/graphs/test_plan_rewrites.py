@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 from graphs import BreakableCapture, TapeBackend
 from graphs.tape import TapeSegment
-from graphs.tape_ops import SumThenDivide
-from graphs.tape_plan import plan_functional
+from graphs.tape.planning import plan_functional
+from graphs.tape.steps import SumThenDivide
 
 OPS: dict[str, Callable[[torch.Tensor, float | int], torch.Tensor]] = {
     "add": lambda x, n: x + n,

@@ -5,7 +5,7 @@ Every test compares replay after new inputs against an eager run on those inputs
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -16,12 +16,7 @@ from graphs.tape import TapeSegment
 Program = Callable[[torch.Tensor], torch.Tensor]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

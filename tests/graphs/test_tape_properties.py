@@ -10,7 +10,7 @@ miniature); a host read inside a captured segment raises ``CaptureError`` at its
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -40,12 +40,7 @@ from tests.graphs.random_programs import (
 REPLAYS = 3
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

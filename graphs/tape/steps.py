@@ -1,21 +1,13 @@
 """Replay plans: what one recorded op becomes on replay, as a zero-argument step.
 
-A plan is chosen once per op while recording (``graphs.tape_plan``) and built into a step when
-the segment ends, with every recorded tensor resolved to the tensor replay must use; replay then
-calls the steps in order and does nothing else. Plans, fastest first:
-
-- ``CopyFrom``: a copy-like op (``clone``, ``_to_copy``, a copying ``reshape``) as one
-  ``Tensor.copy_`` into the captured output.
-- ``Fill`` / ``Const``: a factory or literal re-filled in place with its captured value.
-- ``CallOut``: the op's ``out=`` form writing straight into the captured outputs.
-- ``SumThenDivide``: ``mean`` as ATen computes it on a CPU, with the count as a 0-dim tensor.
-- ``Call``: an in-place or user ``out=`` op re-run as recorded.
+A plan is chosen once per op while recording (``graphs.tape.planning`` tries them fastest first)
+and built into a step when the segment ends, with every recorded tensor resolved to the tensor
+replay must use; replay then calls the steps in order and does nothing else.
 
 ``CallOut`` and ``Call`` may pass one Python-number operand of an arithmetic op as a 0-dim tensor
 of the dtype the op computes in (``number_operand``): ATen converts a number operand to that
 dtype on every call (a ``_to_copy`` costing more than the arithmetic at decode sizes); the
 kernel then sees the same CPU-scalar operand with the same value, so the result is the same.
-- ``CallCopy``: the fallback: run the op, copy its fresh outputs into place.
 """
 
 from __future__ import annotations
@@ -27,6 +19,8 @@ from typing import Any
 import attrs
 import torch
 
+from graphs._tensor_refs import tensors_of
+
 __all__ = [
     "Call",
     "CallCopy",
@@ -37,21 +31,9 @@ __all__ = [
     "Plan",
     "Step",
     "SumThenDivide",
-    "flat_tensors",
 ]
 
 Step = Callable[[], object]
-
-
-def flat_tensors(args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """The tensors among ``args`` and ``kwargs``, including inside list arguments, in order."""
-    flat: list[torch.Tensor] = []
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            flat.append(value)
-        elif isinstance(value, (list, tuple)):
-            flat.extend(v for v in value if isinstance(v, torch.Tensor))
-    return flat
 
 
 # -- plans ------------------------------------------------------------------------------------
@@ -163,7 +145,7 @@ class CopyFrom:
     def build(
         self, args: Sequence[Any], kwargs: dict[str, Any], outs: Sequence[torch.Tensor]
     ) -> Step:
-        source = flat_tensors(args, kwargs)[self.leaf]
+        source = tensors_of((args, kwargs))[self.leaf]
         target = outs[0] if outs[0].shape == source.shape else outs[0].view(source.shape)
         return functools.partial(torch.Tensor.copy_, target, source)
 

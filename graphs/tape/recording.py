@@ -1,9 +1,10 @@
 """Recording a tape segment: a dispatch mode that runs each op and notes how to replay it.
 
-For every ATen op issued while a segment records: check it is capturable (``graphs.legality``),
-run it, classify it by what it did to memory (found by storage), choose its replay plan
-(``graphs.tape_plan``) and keep references to its tensors (``graphs._tensor_refs``): weak ones
-to tensors allocated in the segment, strong ones to tensors from outside it.
+For every ATen op issued while a segment records: check it is capturable
+(``graphs.tape.legality``), run it, classify it by what it did to memory (found by storage),
+choose its replay plan (``graphs.tape.planning``) and keep references to its tensors
+(``graphs.tape.refs``): weak ones to tensors allocated in the segment, strong ones to tensors
+from outside it.
 
 Invariants:
 - An op eager runs as its ``CompositeImplicitAutograd`` decomposition on the tensors' device (no
@@ -19,7 +20,7 @@ Invariants:
   literal outputs strongly until the segment ends, to decide which of them are constants.
 - ``outside_writes`` holds the prior bytes of every storage from outside the segment that an op
   is about to write, taken before its first write, so the segment's end can undo the writes
-  recording made (``graphs.tape_stale``: recording is not execution).
+  recording made (``graphs.tape.stale``: recording is not execution).
 """
 
 from __future__ import annotations
@@ -28,28 +29,23 @@ import functools
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from graphs._tensor_refs import TensorRef, WeakStorage, map_leaves, storage_key, tensors_of
-from graphs.legality import JUDGED_WHOLE, check_capturable
-from graphs.tape_ops import Const, Plan
-from graphs.tape_plan import (
+from graphs._ops import LITERALS, QuietDispatchMode, is_like_factory, op_name
+from graphs._tensor_refs import WeakStorage, storage_key, tensors_of
+from graphs.tape.checking import inplace_copies, mutated_arguments
+from graphs.tape.legality import JUDGED_WHOLE, check_capturable
+from graphs.tape.planning import (
     PlanCache,
-    inplace_copies,
-    mutated_arguments,
     plan_factory,
     plan_functional,
     plan_mutating,
     signature,
 )
-from graphs.tape_stale import OutsideWrites
+from graphs.tape.refs import TensorRef, map_leaves
+from graphs.tape.stale import OutsideWrites
+from graphs.tape.steps import Const, Plan
 
 __all__ = ["Record", "Recorder", "StorageInfo"]
-
-_LITERALS = frozenset({"lift_fresh", "lift", "lift_fresh_copy"})
-_FACTORY_PREFIXES = ("new_",)
-_FACTORY_SUFFIXES = ("_like",)
-
 
 _BACKEND_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 _COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
@@ -66,7 +62,7 @@ def _runs_decomposed(func: torch._ops.OpOverload, device_type: str) -> bool:
     name = func.name()
     return (
         backend is not None
-        and func._schema.name.split("::")[-1] not in JUDGED_WHOLE
+        and op_name(func) not in JUDGED_WHOLE
         and has_kernel(name, "CompositeImplicitAutograd")
         and not has_kernel(name, backend)
     )
@@ -76,13 +72,12 @@ def _runs_decomposed(func: torch._ops.OpOverload, device_type: str) -> bool:
 def _traits(func: torch._ops.OpOverload) -> tuple[str, bool, bool]:
     """``func``'s short name, whether it mutates, and whether it is an in-place view op: read
     once per overload (schema and tag lookups cost more than many of the ops recorded)."""
-    name = func._schema.name.split("::")[-1]
-    return name, func._schema.is_mutable, torch.Tag.inplace_view in func.tags
+    return op_name(func), func._schema.is_mutable, torch.Tag.inplace_view in func.tags
 
 
 def _is_factory(name: str, tensors: list[torch.Tensor]) -> bool:
     """Outputs independent of any tensor's data: no tensor inputs, or ``*_like`` / ``new_*``."""
-    return not tensors or name.startswith(_FACTORY_PREFIXES) or name.endswith(_FACTORY_SUFFIXES)
+    return not tensors or is_like_factory(name)
 
 
 class StorageInfo:
@@ -118,7 +113,7 @@ class Record:
         """Storage key of a factory or literal output (a candidate constant), else ``None``."""
 
 
-class Recorder(TorchDispatchMode):
+class Recorder(QuietDispatchMode):
     """The dispatch mode active while a segment records; builds the tape op by op."""
 
     def __init__(self, plan_cache: PlanCache) -> None:
@@ -133,18 +128,9 @@ class Recorder(TorchDispatchMode):
         """Factory and literal outputs, held until the segment ends to see if they are
         constants: never written after creation and referenced by nothing but the tape."""
 
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # never under torch.compile; skipping would import dynamo (seconds)
-
-    def __torch_dispatch__(
-        self,
-        func: torch._ops.OpOverload,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
+    def dispatch(
+        self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        kwargs = kwargs or {}
         check_capturable(func, args, kwargs)
         tensors = tensors_of((args, kwargs))
         if tensors and _runs_decomposed(func, tensors[0].device.type):
@@ -174,7 +160,7 @@ class Recorder(TorchDispatchMode):
         outs = tensors_of(result)
         index = len(self.records)
         input_keys = {storage_key(t) for t in tensors}
-        if name in _LITERALS:
+        if name in LITERALS:
             fresh: tuple[int, ...] = (0,)
         else:
             fresh = tuple(i for i, o in enumerate(outs) if storage_key(o) not in input_keys)
@@ -188,7 +174,7 @@ class Recorder(TorchDispatchMode):
             plan = self._plan(func, name, args, kwargs, tensors, outs, fresh, before, mutating, key)
         if plan is not None:
             constant_key = None
-            if name in _LITERALS or (not mutating and _is_factory(name, tensors)):
+            if name in LITERALS or (not mutating and _is_factory(name, tensors)):
                 constant_key = storage_key(outs[0])
                 self.factory_outputs[constant_key] = outs[0].untyped_storage()
             ref = functools.partial(self._ref, index=index)
@@ -217,7 +203,7 @@ class Recorder(TorchDispatchMode):
         key: tuple[Any, ...] | None,
     ) -> Plan | None:
         """``key``: a mutating op's signature (``None`` when its arguments are unhashable)."""
-        if name in _LITERALS:
+        if name in LITERALS:
             return Const(outs[0].clone())
         if mutating:
             return plan_mutating(func, args, kwargs, outs, fresh, before, key, self.plan_cache)

@@ -1,9 +1,9 @@
-"""Compiling a recorded segment into replay steps, and deciding where its tensors live.
+"""Linking a recorded segment into replay steps, and deciding where its tensors live.
 
-When a segment ends, the compiler (1) keeps as *constants* the factory and literal outputs that
+When a segment ends, the linker (1) keeps as *constants* the factory and literal outputs that
 nothing wrote after creation and nothing but the tape references, and drops their steps; (2)
 re-homes every storage allocated in the segment that no one references any more (*internal*)
-into the backend's arena, at offsets planned by lifetime (``graphs.tape_memory``); (3) resolves
+into the backend's arena, at offsets planned by lifetime (``graphs.tape.memory``); (3) resolves
 each recorded tensor reference to the tensor replay must use — the original object when it is
 alive with the metadata the op saw, else a tensor over the same (or re-homed) storage with that
 metadata; and (4) builds each record's plan into a zero-argument step.
@@ -15,13 +15,14 @@ from typing import Any
 
 import torch
 
-from graphs._tensor_refs import TensorRef, alias, map_leaves, same_view, storage_key
+from graphs._tensor_refs import storage_key
 from graphs.errors import CaptureError
-from graphs.tape_memory import Lifetime, SegmentMemory, TapePool, plan_offsets
-from graphs.tape_ops import Const, Step
-from graphs.tape_record import Recorder
+from graphs.tape.memory import Lifetime, SegmentMemory, TapePool, plan_offsets
+from graphs.tape.recording import Recorder
+from graphs.tape.refs import TensorRef, alias, map_leaves, same_view
+from graphs.tape.steps import Const, Step
 
-__all__ = ["Compiler"]
+__all__ = ["Linker"]
 
 
 def _use_count(key: int) -> int | None:
@@ -30,7 +31,7 @@ def _use_count(key: int) -> int | None:
     return None if use_count is None else int(use_count(key))
 
 
-class Compiler:
+class Linker:
     """Turns a finished recording into steps, re-homing internal storages into the arena."""
 
     def __init__(self, recorder: Recorder, pool: TapePool) -> None:

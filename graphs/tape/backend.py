@@ -16,18 +16,20 @@ Invariants:
   factories and literals are re-filled with their captured value (so they start fresh each
   replay even if mutated later) — unless, when the segment ends, nothing wrote them after their
   creation and nothing but the tape references them: such *constants* are kept and never
-  replayed. Composite ops are recorded as the ops eager runs for them (``graphs.tape_record``).
-  See ``graphs.tape_ops`` for how each replay call is chosen.
-- Replay is straight-line: the segment is compiled, when it ends, into a list of zero-argument
-  callables; replay calls them in order under inference mode and does nothing else.
+  replayed. Composite ops are recorded as the ops eager runs for them
+  (``graphs.tape.recording``). See ``graphs.tape.planning`` for how each replay call is chosen.
+- Replay is straight-line: the segment is linked, when it ends, into a list of zero-argument
+  callables (``graphs.tape.linking``); replay calls them in order under inference mode and does
+  nothing else.
 - Illegal ops (host syncs, data-dependent shapes, random ops) raise ``CaptureError`` while
-  recording (``graphs.legality``); the tape never silently freezes them. Host reads a dispatch
-  mode cannot see (``.tolist()``, ``.numpy()``, ``data_ptr()``) must go in an eager break.
+  recording (``graphs.tape.legality``); the tape never silently freezes them. Host reads a
+  dispatch mode cannot see (``.tolist()``, ``.numpy()``, ``data_ptr()``) must go in an eager
+  break.
 - Memory: intermediates the program dropped before the segment ended are re-homed into the
-  backend's shared arena (``graphs.tape_memory``); the tape keeps alive only what the program
+  backend's shared arena (``graphs.tape.memory``); the tape keeps alive only what the program
   still holds, the arena, constants and copies of literals. ``TapeSegment.memory`` reports the
   bytes.
-- Recording is not execution, as on CUDA (``graphs.tape_stale``): when a segment ends, the
+- Recording is not execution, as on CUDA (``graphs.tape.stale``): when a segment ends, the
   tensors it produced hold junk and the outside memory it wrote holds its prior bytes, until the
   segment is replayed. This is always on; nothing switches it off.
 - A retired pool (all its graphs gone, ``graphs.backend.PoolGraphs``) is never recorded into
@@ -44,18 +46,18 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from graphs.errors import CaptureError
-from graphs.tape_compile import Compiler
-from graphs.tape_memory import SegmentMemory, TapePool
-from graphs.tape_ops import Step
-from graphs.tape_plan import PlanCache
-from graphs.tape_record import Recorder
-from graphs.tape_stale import fill_junk
+from graphs.tape.linking import Linker
+from graphs.tape.memory import SegmentMemory, TapePool
+from graphs.tape.planning import PlanCache
+from graphs.tape.recording import Recorder
+from graphs.tape.stale import fill_junk
+from graphs.tape.steps import Step
 
 __all__ = ["TapeBackend", "TapeSegment"]
 
 
 class TapeSegment:
-    """A compiled stretch of the tape: ``replay`` calls its steps in order."""
+    """A linked stretch of the tape: ``replay`` calls its steps in order."""
 
     def __init__(self, steps: list[Step], memory: SegmentMemory, num_ops: int) -> None:
         self._steps = tuple(steps)
@@ -108,15 +110,15 @@ class TapeBackend:
             recorder.outside_writes.restore()
             if recorder.num_ops == 0:
                 return None
-            compiler = Compiler(recorder, self._pool)
-            steps = compiler.steps()
+            linker = Linker(recorder, self._pool)
+            steps = linker.steps()
             for key, info in recorder.storages.items():
-                if key in compiler.homes or key in compiler.constants:
+                if key in linker.homes or key in linker.constants:
                     continue
                 storage = info.weak.get()
                 if storage is not None:
                     fill_junk(storage, info.dtype)
-        segment = TapeSegment(steps, compiler.memory, recorder.num_ops)
+        segment = TapeSegment(steps, linker.memory, recorder.num_ops)
         self._pool.graphs.add(segment)
         return segment
 

@@ -1,6 +1,6 @@
 """Choosing how the tape replays one op: the fastest plan that is bitwise-equal to the op.
 
-While recording, each op gets a plan (``graphs.tape_ops``). The candidates, fastest first:
+While recording, each op gets a plan (``graphs.tape.steps``). The candidates, fastest first:
 
 - ``CopyFrom``: copy-like ops (``clone``, ``_to_copy``, a copying ``reshape``, ...) become one
   ``Tensor.copy_`` into the captured output.
@@ -22,15 +22,14 @@ a 0-dim tensor of that dtype (``number_operand``; see ``_number_operand``).
 Invariant: a candidate is used only if it computes the same function as the op by construction
 (same operator name, or a copy for a copy-like op, or a fill for a data-independent factory, or
 one of the two rewrites, each ATen's own definition of the op) *and* reproduced the op's
-capture-time result bit for bit; otherwise the next one is tried. One sample cannot prove two
-different functions equal, which is why candidates are never arbitrary.
+capture-time result bit for bit (``graphs.tape.checking``); otherwise the next one is tried. One
+sample cannot prove two different functions equal, which is why candidates are never arbitrary.
 """
 
 from __future__ import annotations
 
 import functools
 import types
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,28 +37,12 @@ import attrs
 import torch
 from torch._library._out_variant import get_out_arg_names, to_out_variant
 
-from graphs.tape_ops import (
-    Call,
-    CallCopy,
-    CallOut,
-    Const,
-    CopyFrom,
-    Fill,
-    Plan,
-    SumThenDivide,
-    flat_tensors,
-)
+from graphs._ops import op_name
+from graphs._tensor_refs import tensors_of
+from graphs.tape.checking import call_matches, reproduces
+from graphs.tape.steps import Call, CallCopy, CallOut, Const, CopyFrom, Fill, Plan, SumThenDivide
 
-__all__ = [
-    "PlanCache",
-    "bitwise_equal",
-    "inplace_copies",
-    "mutated_arguments",
-    "plan_factory",
-    "plan_functional",
-    "plan_mutating",
-    "signature",
-]
+__all__ = ["PlanCache", "plan_factory", "plan_functional", "plan_mutating", "signature"]
 
 PlanCache = dict[tuple[Any, ...], "Plan"]
 """The plan that won, by op signature; kept by a backend across its segments. Only plans that
@@ -86,30 +69,11 @@ _OWN_PRECISION = frozenset({torch.float32, torch.float64, torch.int32, torch.int
 """Dtypes binary arithmetic computes in (its ``opmath`` type is the dtype itself): ATen
 converts a number operand to exactly this dtype, so a 0-dim tensor of it is the same operand.
 (Reduced floats compute in fp32 and read the number unrounded, so they are left out.)"""
-_VALIDATE_INPLACE_MAX_BYTES = 16 << 20
-"""In-place ops mutating more than this are replayed through the operator without trying the
-faster ``Tensor`` method, because checking the method needs a copy of every mutated tensor."""
 
 
 def _op_callable(func: torch._ops.OpOverload) -> Callable[..., Any]:
     """The operator's C++ entry point (skips the Python ``OpOverload.__call__`` frame)."""
     return getattr(func, "_op", func)
-
-
-def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True when ``a`` and ``b`` have the same shape, dtype and bits (NaN payloads and ±0 too)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.is_complex():
-        a, b = torch.view_as_real(a), torch.view_as_real(b)
-    if a.is_floating_point():
-        as_int = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        a, b = a.view(as_int), b.view(as_int)
-    return bool(torch.equal(a, b))
-
-
-def _scratch_like(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -190,33 +154,6 @@ def signature(
     return key
 
 
-def _first_reproducing(
-    candidates: Sequence[Plan],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    outs: Sequence[torch.Tensor],
-    fallback: Plan,
-) -> Plan:
-    """The first candidate reproducing ``outs`` bit for bit, else ``fallback``."""
-    return next((c for c in candidates if _reproduces(c, args, kwargs, outs)), fallback)
-
-
-def _reproduces(
-    plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], outs: Sequence[torch.Tensor]
-) -> bool:
-    """Run ``plan`` into scratch outputs; true when it reproduces ``outs`` bit for bit."""
-    scratch = [_scratch_like(o) for o in outs]
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            plan.build(args, kwargs, scratch)()
-    except (RuntimeError, TypeError, ValueError, IndexError):
-        return False
-    return all(
-        s.stride() == o.stride() and bitwise_equal(s, o) for s, o in zip(scratch, outs, strict=True)
-    )
-
-
 def _public_function(name: str) -> Callable[..., Any] | None:
     for namespace in _PUBLIC_NAMESPACES:
         fn = getattr(namespace, name, None)
@@ -230,7 +167,7 @@ def _out_candidates(func: torch._ops.OpOverload) -> tuple[CallOut, ...]:
     """The ``out=`` forms of ``func``: the public function of its name, then its out overload.
 
     Cached per operator: it depends on nothing else, and ``to_out_variant`` scans overloads."""
-    name = func._schema.name.split("::")[-1]
+    name = op_name(func)
     candidates: list[CallOut] = []
     public = _public_function(name)
     if public is not None:
@@ -259,9 +196,9 @@ def plan_functional(
     key = signature(func, args, kwargs, outs)
     if key is not None and key in cache:
         return cache[key]  # the same outputs are all fresh, so even a fallback is the same
-    name = func._schema.name.split("::")[-1]
+    name = op_name(func)
     candidates: list[Plan] = []
-    sources = flat_tensors(args, kwargs)
+    sources = tensors_of((args, kwargs))
     copy_like = name in _COPY_LIKE and len(outs) == 1 and len(sources) == 1
     if copy_like and sources[0].numel() == outs[0].numel():
         candidates.append(CopyFrom(0))
@@ -273,7 +210,7 @@ def plan_functional(
     if number is not None:
         candidates.extend(attrs.evolve(c, number_operand=number) for c in out_candidates)
     candidates.extend(out_candidates)
-    plan = _first_reproducing(candidates, args, kwargs, outs, fallback)
+    plan = next((c for c in candidates if reproduces(c, args, kwargs, outs)), fallback)
     if key is not None:
         cache[key] = plan
     return plan
@@ -289,15 +226,15 @@ def plan_factory(
 
     ``empty``-like outputs hold undefined values and are not re-filled.
     """
-    name = func._schema.name.split("::")[-1]
+    name = op_name(func)
     if "empty" in name or out.numel() == 0:
         return None
     first = out.reshape(-1)[0]
-    if bool((out == first).all()) and _reproduces(Fill(first.item()), args, kwargs, [out]):
+    if bool((out == first).all()) and reproduces(Fill(first.item()), args, kwargs, [out]):
         return Fill(first.item())
     if _dense(out):
         for candidate in _out_candidates(func):
-            if _reproduces(candidate, args, kwargs, [out]):
+            if reproduces(candidate, args, kwargs, [out]):
                 return candidate
     return Const(out.clone())
 
@@ -325,7 +262,7 @@ def plan_mutating(
         return CallCopy(op, fresh)
     if key is not None and key in cache:
         return cache[key]
-    name = func._schema.name.split("::")[-1]
+    name = op_name(func)
     method = getattr(torch.Tensor, name, None) if name.endswith("_") else None
     if method is None or not before:
         return Call(op)
@@ -335,62 +272,7 @@ def plan_mutating(
     if number is not None:
         candidates.append(Call(method, number))
     candidates.append(Call(method))
-    plan = next((c for c in candidates if _call_matches(c, args, kwargs, before)), Call(op))
+    plan = next((c for c in candidates if call_matches(c, args, kwargs, before)), Call(op))
     if key is not None:
         cache[key] = plan
     return plan
-
-
-def _call_matches(
-    plan: Call, args: tuple[Any, ...], kwargs: dict[str, Any], before: dict[int, torch.Tensor]
-) -> bool:
-    """True when ``plan`` run on the pre-op copies ends with the same bits as the op did."""
-    swapped_args = tuple(before.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in args)
-    swapped_kwargs = {
-        k: before.get(id(v), v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()
-    }
-    originals = {id(a): a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)}
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            plan.build(swapped_args, swapped_kwargs, ())()
-    except (RuntimeError, TypeError, ValueError, IndexError):
-        return False
-    return all(bitwise_equal(copy, originals[key]) for key, copy in before.items())
-
-
-def inplace_copies(
-    func: torch._ops.OpOverload,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    key: tuple[Any, ...] | None,
-    cache: PlanCache,
-) -> dict[int, torch.Tensor]:
-    """Copies of the tensors ``func`` mutates, to check the ``Tensor`` method path against
-    (none if ``cache`` already knows the call's signature ``key``)."""
-    name = func._schema.name.split("::")[-1]
-    if not name.endswith("_") or not hasattr(torch.Tensor, name):
-        return {}
-    if key is not None and key in cache:
-        return {}
-    mutated = [
-        value for value in mutated_arguments(func, args, kwargs) if isinstance(value, torch.Tensor)
-    ]
-    if sum(t.untyped_storage().nbytes() for t in mutated) > _VALIDATE_INPLACE_MAX_BYTES:
-        return {}
-    return {id(t): t.clone(memory_format=torch.preserve_format) for t in mutated}
-
-
-def mutated_arguments(
-    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> list[Any]:
-    """The arguments ``func``'s schema marks as written (``Tensor(a!)``), as passed."""
-    found = []
-    for position, argument in enumerate(func._schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        if argument.name in kwargs:
-            found.append(kwargs[argument.name])
-        elif position < len(args) and not argument.kwarg_only:
-            found.append(args[position])
-    return found

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from graphs._tensor_refs import alias, storage_key
+from graphs._tensor_refs import storage_key
+from graphs.tape.refs import alias
 
 __all__ = ["OutsideWrites", "fill_junk", "junk_value"]
 
@@ -61,7 +62,3 @@ class OutsideWrites:
         for storage, saved in self._saved.values():
             storage.copy_(saved)
         self._saved.clear()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(saved.nbytes() for _, saved in self._saved.values())

@@ -16,12 +16,11 @@ from typing import Any
 
 import torch
 
+from graphs._ops import op_name
 from graphs._source import user_location
 from graphs.errors import CaptureError
 
 __all__ = ["JUDGED_WHOLE", "check_capturable"]
-
-_aten = torch.ops.aten
 
 _HOST_SYNCS = frozenset(
     {"_local_scalar_dense", "item", "is_nonzero", "equal", "allclose", "nonzero_numpy"}
@@ -40,10 +39,6 @@ JUDGED_WHOLE = frozenset({"one_hot", "repeat_interleave", *_DROPOUTS})
 """Composite ops judged legal by their arguments as a whole: a recorder must not record them as
 their decompositions, which may read the host only to validate (``one_hot`` checks its indices
 with ``.item()`` on the CPU; given ``num_classes`` the output does not depend on that read)."""
-
-
-def _name(func: torch._ops.OpOverload) -> str:
-    return func._schema.name.split("::")[-1]
 
 
 def _has_bool_index(args: tuple[Any, ...]) -> bool:
@@ -70,7 +65,7 @@ def _arg(
 def _reason(
     func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> str | None:
-    name = _name(func)
+    name = op_name(func)
     tags = func.tags
     if name in _INDEXING:
         if _has_bool_index(args):
@@ -113,7 +108,7 @@ def check_capturable(
     try:
         reason = _static_reasons[func]
     except KeyError:
-        if _name(func) in _BY_ARGUMENTS:
+        if op_name(func) in _BY_ARGUMENTS:
             reason = _reason(func, args, kwargs)
         else:
             reason = _static_reasons[func] = _reason(func, (), {})
