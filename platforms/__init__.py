@@ -1,10 +1,13 @@
-"""Platforms: the ``Platform`` ABC, the CUDA, ROCm and CPU platforms, the registry and plugins.
+"""Platforms: the ``Platform`` ABC, the CUDA, ROCm and CPU platforms, ``simulate``, the registry
+and plugins.
 
-A platform is a policy object (required eager region, V2-default exclusions, graph backend,
-memory pool). Nothing is resolved at import time: ``get_platform(name)`` looks a named platform
-up (an explicit name always wins), ``current_platform()`` decides on each call when none is
-named. The conformance kit for platform authors is ``platforms.testing`` (test-time only, not
-imported here). Imports ``graphs`` only.
+A platform is policy (its name, required eager region, V2-default exclusions and the reasons for
+each) plus a device part (device type, availability, memory pool, graph backend);
+``simulate(platform)`` keeps the policy and swaps the device part for the CPU tape's. Nothing is
+resolved at import time: ``get_platform(name)`` looks a named platform up (an explicit name
+always wins), ``current_platform()`` decides on each call when none is named. Imports ``graphs``
+(and torch) only; the conformance kit for platform authors drives the whole stack, so it lives on
+the top floor, in ``runners.testing``.
 """
 
 from platforms.base import Platform

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from graphs.backend import GraphBackend
-from graphs.strategies import EagerRegionStrategy, FullGraph
+from graphs.strategies import FullGraph
 from platforms.base import Platform
 
 __all__ = ["CpuPlatform", "tape_backend", "tape_memory_pool"]
@@ -34,28 +34,14 @@ def tape_backend(pool: Any) -> GraphBackend:
 class CpuPlatform(Platform):
     """The CPU with the op-tape graph backend; always available."""
 
-    @property
-    def name(self) -> str:
-        return "cpu"
-
-    @property
-    def device_type(self) -> str:
-        return "cpu"
+    name = "cpu"
+    device_type = "cpu"
+    eager_region_strategy = FullGraph()
+    eager_region_reason = "platform cpu requires nothing: the op tape replays against fixed tensors"
+    v2_excluded_architectures: frozenset[str] = frozenset()
 
     def is_available(self) -> bool:
         return True
-
-    @property
-    def eager_region_strategy(self) -> EagerRegionStrategy:
-        return FullGraph()
-
-    @property
-    def eager_region_reason(self) -> str:
-        return "platform cpu requires nothing: the op tape replays against fixed tensors"
-
-    @property
-    def v2_excluded_architectures(self) -> frozenset[str]:
-        return frozenset()
 
     def create_memory_pool(self) -> Any:
         return tape_memory_pool()

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from graphs.backend import GraphBackend
-from graphs.strategies import EagerRegionStrategy, FullGraph
+from graphs.strategies import FullGraph
 from platforms.base import Platform
 
 __all__ = ["CudaPlatform", "cuda_graph_backend", "cuda_graph_pool"]
@@ -35,13 +35,13 @@ def cuda_graph_backend(device: torch.device, pool: Any) -> GraphBackend:
 class CudaPlatform(Platform):
     """NVIDIA CUDA: available when torch sees a GPU and is not a ROCm (HIP) build."""
 
-    @property
-    def name(self) -> str:
-        return "cuda"
-
-    @property
-    def device_type(self) -> str:
-        return "cuda"
+    name = "cuda"
+    device_type = "cuda"
+    eager_region_strategy = FullGraph()
+    eager_region_reason = (
+        "platform cuda requires nothing: CUDA graphs replay against fixed addresses"
+    )
+    v2_excluded_architectures: frozenset[str] = frozenset()
 
     def is_available(self) -> bool:
         return torch.version.hip is None and torch.cuda.is_available()
@@ -50,18 +50,6 @@ class CudaPlatform(Platform):
         if torch.version.hip is not None:
             return "this torch is a ROCm build; use the rocm platform"
         return "torch sees no CUDA GPU"
-
-    @property
-    def eager_region_strategy(self) -> EagerRegionStrategy:
-        return FullGraph()
-
-    @property
-    def eager_region_reason(self) -> str:
-        return "platform cuda requires nothing: CUDA graphs replay against fixed addresses"
-
-    @property
-    def v2_excluded_architectures(self) -> frozenset[str]:
-        return frozenset()
 
     def create_memory_pool(self) -> Any:
         return cuda_graph_pool()

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from graphs.backend import GraphBackend
-from graphs.strategies import EagerRegionStrategy, FullGraph
+from graphs.strategies import FullGraph
 from platforms.base import Platform
 from platforms.cuda import cuda_graph_backend, cuda_graph_pool
 
@@ -23,13 +23,19 @@ __all__ = ["RocmPlatform"]
 class RocmPlatform(Platform):
     """AMD ROCm: available when torch is a HIP build and sees a GPU."""
 
-    @property
-    def name(self) -> str:
-        return "rocm"
+    name = "rocm"
+    device_type = "cuda"
+    eager_region_strategy = FullGraph()
+    eager_region_reason = (
+        "platform rocm requires nothing: HIP graphs replay against fixed addresses"
+    )
+    v2_excluded_architectures = frozenset({"DeepseekV4ForCausalLM"})
 
-    @property
-    def device_type(self) -> str:
-        return "cuda"
+    def v2_exclusion_reason(self, architecture: str) -> str:
+        return (
+            f"platform rocm excludes {architecture} from the ModelRunnerV2 default: "
+            "ModelRunnerV1 is the faster runner for it on ROCm (a performance default)"
+        )
 
     def is_available(self) -> bool:
         return torch.version.hip is not None and torch.cuda.is_available()
@@ -38,24 +44,6 @@ class RocmPlatform(Platform):
         if torch.version.hip is None:
             return "this torch is not a ROCm (HIP) build"
         return "torch sees no ROCm GPU"
-
-    @property
-    def eager_region_strategy(self) -> EagerRegionStrategy:
-        return FullGraph()
-
-    @property
-    def eager_region_reason(self) -> str:
-        return "platform rocm requires nothing: HIP graphs replay against fixed addresses"
-
-    @property
-    def v2_excluded_architectures(self) -> frozenset[str]:
-        return frozenset({"DeepseekV4ForCausalLM"})
-
-    def v2_exclusion_reason(self, architecture: str) -> str:
-        return (
-            f"platform rocm excludes {architecture} from the ModelRunnerV2 default: "
-            "ModelRunnerV1 is the faster runner for it on ROCm (a performance default)"
-        )
 
     def create_memory_pool(self) -> Any:
         return cuda_graph_pool()

@@ -1,9 +1,15 @@
-"""``simulate(platform)``: a platform's policy run on the CPU with the op tape.
+"""``simulate(platform)``: a platform's policy on the CPU tape's device part.
 
-The simulated platform answers every policy question (name, required eager region, V2
-exclusions, reasons) exactly as the platform it wraps, but its tensors live on the CPU and its
-captures are recorded by the tape, so a ROCm or out-of-tree policy can be exercised — and its
-resolution proven correct — on a machine without that device.
+A platform is policy plus a device part (see ``platforms.base``). A ``SimulatedPlatform`` brings
+the CPU tape's device part — the ``cpu`` device type, always available, a tape pool and the tape
+backend — and reads every other attribute through to the platform it wraps: its name, required
+eager region, V2 exclusions, each reason hook, and any hook a subclass or a later ``Platform``
+adds, with no change here. So a ROCm or out-of-tree policy can be exercised, and its resolution
+proven correct, on a machine without that device.
+
+Invariants:
+- ``simulate`` is idempotent: a simulated platform simulated again wraps the same platform.
+- A simulated platform equals one simulating an equal platform, never the platform itself.
 """
 
 from __future__ import annotations
@@ -11,7 +17,6 @@ from __future__ import annotations
 from typing import Any
 
 from graphs.backend import GraphBackend
-from graphs.strategies import EagerRegionStrategy
 from platforms.base import Platform
 from platforms.cpu import tape_backend, tape_memory_pool
 
@@ -19,45 +24,34 @@ __all__ = ["SimulatedPlatform", "simulate"]
 
 
 class SimulatedPlatform(Platform):
-    """The policy of ``platform`` with the CPU's device, availability, pool and backend."""
+    """``platform``'s policy on the CPU tape: this class body is the device part (with the base's
+    members that run on it); every other attribute is read through to ``platform``."""
 
     simulated = True
+    device_type = "cpu"
 
     def __init__(self, platform: Platform) -> None:
         inner = platform.platform if isinstance(platform, SimulatedPlatform) else platform
         self.platform: Platform = inner
-
-    @property
-    def name(self) -> str:
-        return self.platform.name
-
-    @property
-    def device_type(self) -> str:
-        return "cpu"
+        super().__init__()
 
     def is_available(self) -> bool:
         return True
-
-    @property
-    def eager_region_strategy(self) -> EagerRegionStrategy:
-        return self.platform.eager_region_strategy
-
-    @property
-    def eager_region_reason(self) -> str:
-        return self.platform.eager_region_reason
-
-    @property
-    def v2_excluded_architectures(self) -> frozenset[str]:
-        return self.platform.v2_excluded_architectures
-
-    def v2_exclusion_reason(self, architecture: str) -> str:
-        return self.platform.v2_exclusion_reason(architecture)
 
     def create_memory_pool(self) -> Any:
         return tape_memory_pool()
 
     def create_graph_backend(self, pool: Any) -> GraphBackend:
         return tape_backend(pool)
+
+    device = Platform.device
+    graph_backend = Platform.graph_backend
+    require_available = Platform.require_available
+
+    def __getattribute__(self, attr: str) -> Any:
+        if attr == "platform" or attr.startswith("__") or attr in vars(SimulatedPlatform):
+            return object.__getattribute__(self, attr)
+        return getattr(object.__getattribute__(self, "platform"), attr)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, SimulatedPlatform) and self.platform == other.platform

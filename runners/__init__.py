@@ -27,7 +27,7 @@ from runners.resolution import (
     resolve,
     runner_from_name,
 )
-from runners.serving import Engine, EngineSpec, build_engine
+from runners.spec import Engine, EngineSpec, build_engine
 from runners.v1 import ModelRunnerV1
 from runners.v2 import ModelRunnerV2
 

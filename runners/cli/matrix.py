@@ -36,8 +36,8 @@ from runners.cli.values import at_least, non_negative_float
 from runners.threads import apply_threads
 
 if TYPE_CHECKING:
-    from runners.equivalence import Comparison, Trace
-    from runners.serving import EngineSpec
+    from runners.measure.equivalence import Comparison, Trace
+    from runners.spec import EngineSpec
 
 __all__ = ["add_arguments", "execute", "exit_code", "render"]
 
@@ -113,8 +113,8 @@ def _platforms(names: list[str] | None, *, simulate: bool) -> list[tuple[str, bo
 
 def execute(args: argparse.Namespace) -> dict[str, Any]:
     from runners.engine import SamplingParams
-    from runners.equivalence import run_configuration, run_trace
-    from runners.serving import EngineSpec, build_model
+    from runners.measure.equivalence import run_configuration, run_trace
+    from runners.spec import EngineSpec, build_model
 
     progress = Progress.for_terminal(json_output=args.json)
     prompts = args.prompt_ids or [list(p) for p in DEFAULT_PROMPTS]
@@ -202,7 +202,7 @@ def _atol(explicit: float | None, reference: Trace) -> float:
 def _verdict(outcome: Trace | Comparison, reference: Trace, atol: float | None) -> Comparison:
     """A run's verdict against its cell's eager ``reference`` (a refusal or an audit error
     stands as it is)."""
-    from runners.equivalence import Trace, judge
+    from runners.measure.equivalence import Trace, judge
 
     if isinstance(outcome, Trace):
         return judge(outcome, reference, atol=_atol(atol, reference))
@@ -263,7 +263,7 @@ def _reference_payload(platform: str, simulated: bool, trace: Trace, atol: float
 def _run_key(spec: EngineSpec) -> tuple[Any, ...]:
     """Cells whose resolution is the same run once: the key is what the run depends on."""
     from runners.errors import ResolutionError
-    from runners.serving import resolve_spec
+    from runners.spec import resolve_spec
 
     try:
         r = resolve_spec(spec)

@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def spec_from_args(args: argparse.Namespace) -> Any:
     """The ``EngineSpec`` the model and policy options describe."""
-    from runners.serving import EngineSpec
+    from runners.spec import EngineSpec
 
     fields: dict[str, Any] = {
         "checkpoint": Path(args.checkpoint) if args.checkpoint else None,
@@ -80,7 +80,7 @@ def spec_from_args(args: argparse.Namespace) -> Any:
 
 def execute(args: argparse.Namespace) -> dict[str, Any]:
     from runners.engine import InvalidRequestError, RequestFailedError, SamplingParams
-    from runners.serving import build_engine
+    from runners.spec import build_engine
 
     prompts, from_text = parse_prompts(args.prompt_ids, args.prompt)
     progress = Progress.for_terminal(json_output=args.json)

@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from runners.benchmark import timed
 from runners.cli.bench import render
 from runners.cli.main import main
+from runners.measure.benchmark import timed
 
 FAST = ["--batch-sizes", "1", "--threads", "1", "--repeats", "2", "--rounds", "1"]
 FAST += ["--generate-prompts", "1", "--max-new-tokens", "2"]
@@ -105,8 +105,8 @@ def test_bench_labels_each_configuration_by_what_it_resolved_to() -> None:
     from graphs.backend import GraphBackend
     from platforms import Platform
     from platforms.cpu import tape_backend, tape_memory_pool
-    from runners.cli.bench import _configurations
-    from runners.serving import EngineSpec
+    from runners.measure.suite import _configurations
+    from runners.spec import EngineSpec
 
     class WideOnly(Platform):
         name = "wideonly"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from runners.cli.main import main
-from runners.equivalence import equality_tolerance
+from runners.measure.equivalence import equality_tolerance
 
 PROMPTS = ["--prompt-ids", "3,1,4,1,5,9", "--prompt-ids", "2,7"]
 SMALL = [*PROMPTS, "--max-new-tokens", "3", "--capture-sizes", "1,2,4", "--threads", "1", "--json"]
@@ -151,7 +151,7 @@ def test_matrix_refuses_a_negative_tolerance(capsys: pytest.CaptureFixture[str])
 def test_an_error_in_a_cell_is_reported_and_fails_the_gate(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from runners import equivalence
+    from runners.measure import equivalence
 
     real = equivalence.run_trace
 

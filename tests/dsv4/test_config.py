@@ -18,8 +18,8 @@ from dsv4.hf_config import UnsupportedArchitectureError, architecture_of
 from dsv4.model import DeepseekV4ForCausalLM
 from dsv4.rope import RotaryEmbedding
 from runners import ModelRunnerV2
-from runners.serving import EngineSpec, resolve_spec
-from runners.serving import architecture_of as spec_architecture
+from runners.spec import EngineSpec, resolve_spec
+from runners.spec import architecture_of as spec_architecture
 from tests.dsv4.support import configs
 
 BASE: dict[str, Any] = {

@@ -26,7 +26,7 @@ from dsv4 import DeepseekV4Config, DeepseekV4ForCausalLM
 from dsv4.weights import randomize_
 from runners import CacheLayout, SamplingParams
 from runners.engine import LLM, RequestOutput
-from runners.serving import Engine, EngineSpec, build_engine
+from runners.spec import Engine, EngineSpec, build_engine
 
 CONFIG = DeepseekV4Config(
     vocab_size=64,

@@ -8,7 +8,7 @@ README's out-of-tree example runs the kit in a package of its own (``test_plugin
 from __future__ import annotations
 
 from platforms import CpuPlatform, CudaPlatform, Platform, RocmPlatform
-from platforms.testing import PlatformConformanceTests
+from runners.testing import PlatformConformanceTests
 
 
 class TestCpuPlatform(PlatformConformanceTests):

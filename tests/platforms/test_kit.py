@@ -16,13 +16,13 @@ from graphs.backend import GraphBackend
 from graphs.strategies import EagerRegionStrategy
 from platforms import CpuPlatform, CudaPlatform, Platform
 from platforms.cpu import tape_backend
-from platforms.testing import (
+from runners.testing import (
     SIMULATION_SCOPE,
     PlatformConformanceTests,
     SimulatedRunWarning,
     kit_settings,
 )
-from platforms.testing.passes import random_search
+from runners.testing.passes import random_search
 
 
 class CaptureFailsPlatform(CpuPlatform):

@@ -9,7 +9,6 @@ import torch
 
 from graphs import FullGraph, WideRegion
 from graphs.backend import GraphBackend
-from graphs.strategies import EagerRegionStrategy
 from platforms import (
     CpuPlatform,
     CudaPlatform,
@@ -25,32 +24,22 @@ from platforms import (
     simulate,
     unregister_platform,
 )
+from platforms.base import REQUIRED_ATTRIBUTES
 
 
 class OfflinePlatform(Platform):
     """A platform whose device is never present; requires the wide region."""
 
-    @property
-    def name(self) -> str:
-        return "offline"
-
-    @property
-    def device_type(self) -> str:
-        return "cuda"
+    name = "offline"
+    device_type = "cuda"
+    eager_region_strategy = WideRegion()
+    v2_excluded_architectures = frozenset({"DeepseekV4ForCausalLM"})
 
     def is_available(self) -> bool:
         return False
 
     def unavailable_reason(self) -> str:
         return "the offline accelerator is unplugged"
-
-    @property
-    def eager_region_strategy(self) -> EagerRegionStrategy:
-        return WideRegion()
-
-    @property
-    def v2_excluded_architectures(self) -> frozenset[str]:
-        return frozenset({"DeepseekV4ForCausalLM"})
 
     def create_memory_pool(self) -> Any:
         raise AssertionError("never called on an unavailable platform")
@@ -93,12 +82,31 @@ def test_cpu_platform_hands_out_tape_backends_each_with_a_fresh_pool() -> None:
 
 def test_abstract_members_are_enforced_at_instantiation() -> None:
     class Incomplete(Platform):
-        @property
-        def name(self) -> str:
-            return "incomplete"
+        name = "incomplete"
 
-    with pytest.raises(TypeError, match="abstract"):
+    with pytest.raises(TypeError, match=r"abstract.*create_graph_backend"):
         Incomplete()  # type: ignore[abstract]
+
+    class PolicyLess(Platform):
+        """The device part alone: no required attribute is set."""
+
+        is_available = CpuPlatform.is_available
+        create_memory_pool = CpuPlatform.create_memory_pool
+        create_graph_backend = CpuPlatform.create_graph_backend
+
+    with pytest.raises(TypeError, match="abstract platform PolicyLess") as refused:
+        PolicyLess()
+    for attr in REQUIRED_ATTRIBUTES:
+        assert attr in str(refused.value)
+
+
+def test_required_attributes_may_be_properties() -> None:
+    class Computed(OfflinePlatform):
+        @property
+        def name(self) -> str:  # type: ignore[override]
+            return "computed"
+
+    assert Computed().name == "computed"
 
 
 def test_unavailable_platform_refuses_a_backend_and_suggests_simulation() -> None:
@@ -131,6 +139,42 @@ def test_simulate_keeps_the_policy_and_runs_on_the_cpu_tape() -> None:
     assert isinstance(sim.graph_backend(), TapeBackend)
     assert simulate(sim) == sim  # idempotent
     assert sim != offline
+    assert hash(simulate(OfflinePlatform())) == hash(sim)
+    assert simulate(OfflinePlatform()) == sim
+    assert simulate(CpuPlatform()) != simulate(RocmPlatform())
+    assert repr(sim) == "simulate(OfflinePlatform(name='offline'))"
+
+
+def test_simulation_swaps_only_the_device_part() -> None:
+    rocm = simulate(RocmPlatform())
+    assert rocm.v2_exclusion_reason("DeepseekV4ForCausalLM") == RocmPlatform().v2_exclusion_reason(
+        "DeepseekV4ForCausalLM"
+    )
+    assert rocm.unavailable_reason() == RocmPlatform().unavailable_reason()
+    assert (rocm.device_type, rocm.is_available()) == ("cpu", True)
+    assert isinstance(rocm, Platform) and not isinstance(rocm, RocmPlatform)
+
+
+def test_a_new_policy_hook_reaches_simulated_platforms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hook a subclass adds, or one ``Platform`` gains with a default that a subclass
+    overrides, is answered by the simulated platform as by the platform itself."""
+
+    def kv_cache_reason(self: Platform) -> str:
+        return f"platform {self.name} keeps the KV cache anywhere"
+
+    monkeypatch.setattr(Platform, "kv_cache_reason", kv_cache_reason, raising=False)
+
+    class Hooked(OfflinePlatform):
+        def kv_cache_reason(self) -> str:
+            return f"platform {self.name} pins its KV cache in device memory"
+
+        def scratch_reason(self, size: int) -> str:
+            return f"platform {self.name} needs {size} bytes of host-visible scratch"
+
+    sim = simulate(Hooked())
+    assert sim.kv_cache_reason() == "platform offline pins its KV cache in device memory"
+    assert sim.scratch_reason(64) == "platform offline needs 64 bytes of host-visible scratch"
+    assert simulate(CpuPlatform()).kv_cache_reason() == "platform cpu keeps the KV cache anywhere"
 
 
 def test_platform_objects_compare_by_class_and_name() -> None:
@@ -193,9 +237,7 @@ def test_current_platform_is_decided_on_each_call(monkeypatch: pytest.MonkeyPatc
 
 def test_registered_out_of_tree_platform_wins_detection_when_available() -> None:
     class Accel(CpuPlatform):
-        @property
-        def name(self) -> str:
-            return "accel"
+        name = "accel"
 
     registry = PlatformRegistry()
     assert registry.current({}).name in ("cpu", "cuda", "rocm")

@@ -34,7 +34,7 @@ WRONG_CLAIMS = '''
 from graphs import FullGraph
 from mypkg import MyPlatform
 from platforms.cpu import tape_backend
-from platforms.testing import PlatformConformanceTests
+from runners.testing import PlatformConformanceTests
 
 
 class TestWrongFlag(PlatformConformanceTests):

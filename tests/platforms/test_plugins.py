@@ -41,24 +41,13 @@ from platforms import CpuPlatform
 class {cls}(CpuPlatform):
     """A CPU-backed accelerator named {name!r}."""
 
-    @property
-    def name(self):
-        return {name!r}
+    name = {name!r}
+    eager_region_strategy = {strategy}()
+    eager_region_reason = "platform {name} keeps metadata in host-visible scratch memory"
+    v2_excluded_architectures = frozenset({{"DeepseekV4ForCausalLM"}})
 
     def is_available(self):
         return {available}
-
-    @property
-    def eager_region_strategy(self):
-        return {strategy}()
-
-    @property
-    def eager_region_reason(self):
-        return "platform {name} keeps metadata in host-visible scratch memory"
-
-    @property
-    def v2_excluded_architectures(self):
-        return frozenset({{"DeepseekV4ForCausalLM"}})
 '''
 
 DECORATED_SOURCE = '''
@@ -70,13 +59,8 @@ from platforms import CpuPlatform, register_platform
 class DecoratedPlatform(CpuPlatform):
     """Registered on import and named by its entry point, as the README's example is."""
 
-    @property
-    def name(self):
-        return "decorated"
-
-    @property
-    def eager_region_strategy(self):
-        return WideRegion()
+    name = "decorated"
+    eager_region_strategy = WideRegion()
 '''
 
 _counter = itertools.count()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from runners.benchmark import _PeakLiveBytes, captures_held_bytes, eager_step_peak_bytes
-from runners.serving import EngineSpec, build_engine
+from runners.measure.benchmark import _PeakLiveBytes, captures_held_bytes, eager_step_peak_bytes
+from runners.spec import EngineSpec, build_engine
 
 
 def test_peak_counts_storages_alive_together_and_forgets_freed_ones() -> None:

@@ -9,10 +9,10 @@ what a simulated run can and cannot refute). The kit carries its own hypothesis 
 ``conftest.py``. Test-time only: needs pytest and hypothesis.
 """
 
-from platforms.testing.checks import SIMULATION_SCOPE, SimulatedRunWarning
-from platforms.testing.conformance import PlatformConformanceTests
-from platforms.testing.settings import kit_settings
-from platforms.testing.strategies import prompt_batches, tiny_configs
+from runners.testing.checks import SIMULATION_SCOPE, SimulatedRunWarning
+from runners.testing.conformance import PlatformConformanceTests
+from runners.testing.settings import kit_settings
+from runners.testing.strategies import prompt_batches, tiny_configs
 
 __all__ = [
     "SIMULATION_SCOPE",

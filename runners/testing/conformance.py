@@ -2,7 +2,7 @@
 
 Usage (in the author's test suite; no ``conftest.py`` of ours is needed)::
 
-    from platforms.testing import PlatformConformanceTests
+    from runners.testing import PlatformConformanceTests
 
     class TestMyPlatform(PlatformConformanceTests):
         required_region = "wide"                 # capability flags: what the policy must say
@@ -53,7 +53,9 @@ from graphs import (
 )
 from platforms.base import Platform
 from platforms.simulate import simulate
-from platforms.testing.checks import (
+from runners import CUDAGraphMode, Resolution, ResolutionError, UnsafeRegionError, resolve
+from runners.resolution import RUNNERS
+from runners.testing.checks import (
     SIMULATION_SCOPE,
     Configuration,
     SimulatedRunWarning,
@@ -61,9 +63,7 @@ from platforms.testing.checks import (
     platform_label,
     resolved,
 )
-from platforms.testing.passes import deterministic_pass, random_search
-from runners import CUDAGraphMode, Resolution, ResolutionError, UnsafeRegionError, resolve
-from runners.resolution import RUNNERS
+from runners.testing.passes import deterministic_pass, random_search
 
 __all__ = ["PlatformConformanceTests"]
 
@@ -82,8 +82,8 @@ class PlatformConformanceTests(abc.ABC):
     """Run the equivalence passes on the real device when available (else always simulated)."""
     atol: ClassVar[float | None] = None
     """Largest logit difference from eager that still counts as equal; ``None`` for
-    ``runners.equivalence.equality_tolerance`` of the device and dtype (1e-5 in float32 on the
-    CPU, 1e-3 on a GPU)."""
+    ``runners.measure.equivalence.equality_tolerance`` of the device and dtype (1e-5 in float32
+    on the CPU, 1e-3 on a GPU)."""
     max_new_tokens: ClassVar[int] = 4
 
     @abc.abstractmethod

@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 
 from dsv4 import DeepseekV4Config, save_random_checkpoint
-from runners.benchmark import GenerationThroughput
+from runners.measure.benchmark import GenerationThroughput
 
 __all__ = ["Baseline", "BaselineUnavailableError", "transformers_baseline"]
 

@@ -22,15 +22,15 @@ from hypothesis import strategies as st
 
 from dsv4 import DeepseekV4Config
 from platforms.base import Platform
-from platforms.testing.checks import (
+from runners.testing.checks import (
     Configuration,
     Workload,
     check_configuration,
     one_thread,
     platform_label,
 )
-from platforms.testing.settings import kit_settings
-from platforms.testing.strategies import FIXED_PROMPTS, fixed_config, prompt_batches, tiny_configs
+from runners.testing.settings import kit_settings
+from runners.testing.strategies import FIXED_PROMPTS, fixed_config, prompt_batches, tiny_configs
 
 __all__ = ["deterministic_pass", "random_search"]
 

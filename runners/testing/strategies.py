@@ -1,7 +1,7 @@
 """Hypothesis strategies for platform conformance: tiny models and request batches, and the
 fixed model and prompts of the kit's deterministic pass.
 
-Importable by platform authors (``from platforms.testing.strategies import tiny_configs``).
+Importable by platform authors (``from runners.testing.strategies import tiny_configs``).
 The models are tiny so that capturing and replaying them on the CPU tape takes well under a
 second, yet every layer type, window eviction and both compressors are exercised.
 """

@@ -32,7 +32,7 @@ from runners.base import ModelRunner
 from runners.engine import LLM, SamplingParams
 from runners.errors import ResolutionError
 from runners.resolution import Resolution
-from runners.serving import EngineSpec, build_engine
+from runners.spec import EngineSpec, build_engine
 
 __all__ = [
     "Comparison",

@@ -7,8 +7,9 @@ exception (type and message). Checks raise ``AssertionError`` with that message 
 pytest rewrites ``assert`` only in test modules, not in an installed package such as this kit.
 
 Invariants:
-- A configuration is run through the real engine and runner (``runners.equivalence``), against
-  an eager run (graph mode ``NONE``) of the same model, prompts and platform.
+- A configuration is run through the real engine and runner
+  (``runners.measure.equivalence``), against an eager run (graph mode ``NONE``) of the same
+  model, prompts and platform.
 - A configuration that raises is a failure with the exception's type and message, never an
   error escaping the kit without the configuration's name.
 """
@@ -25,8 +26,8 @@ from dsv4 import DeepseekV4Config, DeepseekV4ForCausalLM
 from dsv4.weights import randomize_
 from platforms.base import Platform
 from runners import CacheLayout, Resolution, SamplingParams
-from runners.equivalence import Status, Trace, judge, run_trace
-from runners.serving import EngineSpec
+from runners.measure.equivalence import Status, Trace, judge, run_trace
+from runners.spec import EngineSpec
 
 __all__ = [
     "SIMULATION_SCOPE",

@@ -37,7 +37,7 @@ from graphs._ops import QuietDispatchMode
 from graphs._tensor_refs import WeakStorage, storage_key, tensors_of
 from runners.base import ModelRunner
 from runners.engine import SamplingParams
-from runners.serving import EngineSpec, build_engine
+from runners.spec import EngineSpec, build_engine
 
 __all__ = [
     "DECODE_CONFIGS",

@@ -1,0 +1,186 @@
+"""The benchmark suite behind ``dsv4 bench``: capture cost, decode latency, throughput.
+
+``run_benchmark`` measures one platform (``base.platform``, simulated or not) and returns the
+payload the CLI prints: the capture cost of every default size against an eager step, what each
+timed configuration resolved to (with the reasons of any downgrade; configurations the platform
+refuses are skipped), decode-step latency per configuration, thread count and batch size
+(interleaved, medians, ratios from the same run), and generation throughput (and
+transformers', when asked). Every interval waits for the device to finish the work it times.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from runners.measure.benchmark import GenerationThroughput
+from runners.spec import EngineSpec
+
+__all__ = ["BenchOptions", "run_benchmark"]
+
+
+@attrs.frozen(kw_only=True)
+class BenchOptions:
+    """What to measure besides the platform and model (``EngineSpec``)."""
+
+    batch_sizes: tuple[int, ...]
+    threads: tuple[int, ...]
+    repeats: int
+    generate_prompts: int
+    max_new_tokens: int
+    rounds: int
+    vs_transformers: bool
+
+
+def run_benchmark(
+    base: EngineSpec, options: BenchOptions, progress: Callable[[str], None]
+) -> dict[str, Any]:
+    """Measure ``base``'s platform and model; ``progress`` gets a line before each phase."""
+    spec = attrs.evolve(base, capture_sizes=tuple(sorted(set(options.batch_sizes) | {16})))
+    progress("capturing every default size")
+    payload: dict[str, Any] = {
+        "checkpoint": None if base.checkpoint is None else str(base.checkpoint)
+    }
+    payload.update(_capture(base))
+    payload["method"] = _METHOD
+    progress("timing decode steps")
+    payload["configurations"] = _configurations(spec)
+    runnable = [n for n, c in payload["configurations"].items() if "refused" not in c]
+    payload["decode"] = _decode(spec, options, runnable)
+    progress("timing generation")
+    payload["generation"] = _generation(base, spec, options)
+    return payload
+
+
+def _capture(base: EngineSpec) -> dict[str, Any]:
+    """The platform measured, and the capture cost of every default size against an eager step."""
+    import torch
+
+    from runners.measure.benchmark import capture_cost, captures_held_bytes, eager_step_peak_bytes
+    from runners.spec import build_engine
+
+    torch.set_num_threads(1)
+    engine = build_engine(base)
+    runner = engine.runner
+    cost = capture_cost(runner, functools.partial(captures_held_bytes, runner))
+    eager_runner = build_engine(attrs.evolve(base, cudagraph_mode="NONE")).runner
+    peak = eager_step_peak_bytes(eager_runner, max(runner.capture_sizes.sizes))
+    platform = engine.resolution.platform
+    return {
+        "platform": platform.name,
+        "simulated": platform.simulated,
+        "device": platform.device_type,
+        "capture": {
+            "seconds_per_graph": [list(t) for t in cost.seconds_per_graph],
+            "total_s": round(cost.total_seconds, 4),
+            "held_bytes": cost.held_bytes,
+            "eager_step_peak_bytes": peak,
+            "held/eager_step_peak": None
+            if cost.held_bytes is None
+            else round(cost.held_bytes / peak, 3),
+        },
+    }
+
+
+_COLUMNS = ("eager", "full", "narrow", "wide")
+_RATIOS = (("full", "eager"), ("narrow", "eager"), ("wide", "eager"), ("narrow", "wide"))
+
+
+def _configurations(spec: EngineSpec) -> dict[str, dict[str, Any]]:
+    """What each timed configuration resolved to on the platform measured, with the reasons of
+    any downgrade (a column named ``full`` may run PIECEWISE decode graphs where the platform
+    or runner forbids FULL ones)."""
+    from runners.errors import ResolutionError
+    from runners.measure.benchmark import DECODE_CONFIGS
+    from runners.spec import resolve_spec
+
+    configurations: dict[str, dict[str, Any]] = {}
+    for name, (runner, mode, region) in DECODE_CONFIGS.items():
+        try:
+            resolution = resolve_spec(
+                attrs.evolve(spec, runner=runner, cudagraph_mode=mode, eager_region=region)
+            )
+        except ResolutionError as exc:
+            configurations[name] = {"refused": str(exc)}
+            continue
+        configurations[name] = {
+            "runner": resolution.runner.name,
+            "decode": resolution.decode_mode.name,
+            "mixed": resolution.mixed_mode.name,
+            "eager_region": resolution.eager_region.name,
+            "downgrades": [r for r in resolution.reasons if "downgraded" in r],
+        }
+    return configurations
+
+
+def _decode(spec: EngineSpec, options: BenchOptions, names: list[str]) -> list[dict[str, Any]]:
+    """Median decode-step latency per configuration in ``names`` (those the platform does not
+    refuse), thread count and batch size; a ratio with a refused side is ``None``."""
+    from runners.measure.benchmark import decode_latency, decode_runners
+    from runners.spec import build_model
+
+    runners = decode_runners(spec, lambda: build_model(spec), names)
+    latencies = decode_latency(
+        runners, batch_sizes=options.batch_sizes, threads=options.threads, repeats=options.repeats
+    )
+    return [
+        {
+            "threads": row.threads,
+            "batch_size": row.batch_size,
+            "median_us": {k: round(v, 1) for k, v in row.median_us.items()},
+            "ratios": {
+                f"{a}/{b}": None if a not in names or b not in names else round(row.ratio(a, b), 3)
+                for a, b in _RATIOS
+            },
+        }
+        for row in latencies
+    ]
+
+
+def _generation(base: EngineSpec, spec: EngineSpec, options: BenchOptions) -> dict[str, Any]:
+    """Generation tokens per second (median of rounds), and transformers' when asked."""
+    import torch
+
+    from runners.measure.benchmark import engine_throughput
+    from runners.spec import build_model
+
+    torch.set_num_threads(1)
+    prompts = [
+        [(11 * p + 3 * i) % 256 for i in range(8 + 4 * p)] for p in range(options.generate_prompts)
+    ]
+    ours, our_tokens = engine_throughput(base, build_model(spec), prompts, options.max_new_tokens)
+    rounds: dict[str, list[float]] = {"engine": []}
+    theirs: Callable[[], GenerationThroughput] | None = None
+    if options.vs_transformers:
+        from runners.measure.hf_baseline import transformers_baseline
+
+        baseline = transformers_baseline(base.checkpoint, prompts, options.max_new_tokens)
+        theirs = baseline.round
+        rounds["transformers"] = []
+    for _ in range(options.rounds):
+        rounds["engine"].append(ours().tokens_per_s)
+        if theirs is not None:
+            rounds["transformers"].append(theirs().tokens_per_s)
+    generation: dict[str, Any] = {
+        "prompts": len(prompts),
+        "max_new_tokens": options.max_new_tokens,
+        "tokens_per_s": {k: round(statistics.median(v), 2) for k, v in rounds.items()},
+    }
+    if theirs is not None:
+        tps = generation["tokens_per_s"]
+        generation["ratio_engine/transformers"] = round(tps["engine"] / tps["transformers"], 3)
+        generation["same_tokens_as_generate"] = our_tokens == baseline.generate_tokens
+        generation["same_tokens_as_uncached_forward"] = our_tokens == baseline.uncached_tokens
+    return generation
+
+
+_METHOD = (
+    "decode: one runner per configuration over identical weights, the same requests prefilled "
+    "in each, single decode steps timed interleaved (rotating order), each from a drained device "
+    "until the device finished it (CUDA events on a GPU), medians; generation: greedy, graphs "
+    "captured beforehand, alternating rounds, medians; one thread unless stated"
+)
