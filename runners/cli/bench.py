@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from runners.cli.errors import UsageError
 from runners.cli.options import PLATFORM_HELP, SIMULATE_HELP, parse_positive_int_list
 from runners.cli.progress import Progress
 from runners.cli.values import at_least
-
-if TYPE_CHECKING:
-    pass
+from runners.measure.suite import BenchOptions, run_benchmark
+from runners.spec import EngineSpec
 
 __all__ = ["add_arguments", "execute", "render"]
 
@@ -72,9 +71,6 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def execute(args: argparse.Namespace) -> dict[str, Any]:
-    from runners.measure.suite import BenchOptions, run_benchmark
-    from runners.spec import EngineSpec
-
     _validate(args)
     progress = Progress.for_terminal(json_output=args.json)
     base = EngineSpec(

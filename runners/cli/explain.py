@@ -10,6 +10,7 @@ import argparse
 from typing import Any
 
 from dsv4.config import ARCHITECTURE
+from runners import resolve
 from runners.cli.options import add_policy_options
 
 __all__ = ["add_arguments", "execute", "render"]
@@ -27,8 +28,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def execute(args: argparse.Namespace) -> dict[str, Any]:
-    from runners import resolve
-
     resolution = resolve(
         args.architecture,
         args.platform,

@@ -9,6 +9,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from dsv4 import save_random_checkpoint
 from runners.cli.errors import UsageError
 from runners.cli.presets import PRESETS, preset_config
 
@@ -30,8 +31,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def execute(args: argparse.Namespace) -> dict[str, Any]:
-    from dsv4 import save_random_checkpoint
-
     config = preset_config(args.preset)
     directory = Path(args.directory)
     if directory.exists() and not directory.is_dir():

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from graphs import STRATEGIES
 from runners.cli.errors import UsageError
 from runners.cli.values import at_least
+from runners.modes import CUDAGraphMode
+from runners.resolution import RUNNERS
 
 __all__ = [
     "EAGER_REGION_CHOICES",
@@ -21,9 +24,9 @@ __all__ = [
     "parse_token_ids",
 ]
 
-RUNNER_CHOICES = ("auto", "v1", "v2")
-MODE_CHOICES = ("auto", "NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
-EAGER_REGION_CHOICES = ("auto", "full-graph", "narrow", "wide", "no-graph")
+RUNNER_CHOICES = ("auto", *RUNNERS)
+MODE_CHOICES = ("auto", *(mode.name for mode in CUDAGraphMode))
+EAGER_REGION_CHOICES = ("auto", *(region.name for region in STRATEGIES))
 PLATFORM_HELP = "platform name (cuda, rocm, cpu or a plugin's); default: the current platform"
 SIMULATE_HELP = "run the platform's policy on the CPU with the tape backend"
 

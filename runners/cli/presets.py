@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from dsv4 import DeepseekV4Config
 from runners.cli.errors import UsageError
-
-if TYPE_CHECKING:
-    from dsv4 import DeepseekV4Config
 
 __all__ = ["PRESETS", "preset_config"]
 
@@ -16,8 +12,6 @@ PRESETS = ("tiny", "small")
 
 def preset_config(name: str) -> DeepseekV4Config:
     """The configuration of preset ``name``; unknown names are a usage error."""
-    from dsv4 import DeepseekV4Config
-
     if name == "tiny":
         return DeepseekV4Config.tiny()
     if name == "small":

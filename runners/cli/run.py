@@ -23,6 +23,13 @@ from runners.cli.options import (
 )
 from runners.cli.progress import Progress
 from runners.cli.values import at_least, non_negative_float, probability
+from runners.engine import (
+    InvalidRequestError,
+    RequestFailedError,
+    RequestTooLongError,
+    SamplingParams,
+)
+from runners.spec import EngineSpec, build_engine
 from runners.threads import apply_threads
 
 __all__ = ["add_arguments", "execute", "exit_code", "render"]
@@ -61,8 +68,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def spec_from_args(args: argparse.Namespace) -> Any:
     """The ``EngineSpec`` the model and policy options describe."""
-    from runners.spec import EngineSpec
-
     fields: dict[str, Any] = {
         "checkpoint": Path(args.checkpoint) if args.checkpoint else None,
         "platform": args.platform,
@@ -79,9 +84,6 @@ def spec_from_args(args: argparse.Namespace) -> Any:
 
 
 def execute(args: argparse.Namespace) -> dict[str, Any]:
-    from runners.engine import InvalidRequestError, RequestFailedError, SamplingParams
-    from runners.spec import build_engine
-
     prompts, from_text = parse_prompts(args.prompt_ids, args.prompt)
     progress = Progress.for_terminal(json_output=args.json)
     progress.update("loading model")
@@ -159,8 +161,6 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
 
 def _flags_of(refused: Exception) -> str:
     """The flags a refused request came from: its length is prompt plus new tokens."""
-    from runners.engine import RequestTooLongError
-
     prompt = "--prompt-ids/--prompt"
     return f"{prompt}/--max-new-tokens" if isinstance(refused, RequestTooLongError) else prompt
 
