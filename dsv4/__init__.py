@@ -1,5 +1,8 @@
 """The DeepSeek-V4 model: config, strategy-composed attention, paged caches, checkpoints.
 
+The model keeps no per-run state: each step's metadata, paged caches and eager region reach it
+through the forward context (``graphs.forward_context``).
+
 Imports ``graphs`` only (never ``platforms`` or ``runners``); resolves nothing at import time.
 """
 
@@ -8,12 +11,13 @@ from dsv4.cache import CompressorCache, LayerCache, PagedKVCaches, allocate_kv_c
 from dsv4.checkpoint import load_checkpoint, save_random_checkpoint
 from dsv4.config import DeepseekV4Config, YarnScaling
 from dsv4.errors import CheckpointError, ConfigError
-from dsv4.metadata import AttentionMetadata, MetadataBuffers, ScheduledChunk, new_metadata
+from dsv4.metadata import AttentionMetadata, ChunkLike, MetadataBuffers, new_metadata
 from dsv4.model import DeepseekV4ForCausalLM
 
 __all__ = [
     "AttentionMetadata",
     "CheckpointError",
+    "ChunkLike",
     "CompressorCache",
     "ConfigError",
     "DeepseekV4Attention",
@@ -22,7 +26,6 @@ __all__ = [
     "LayerCache",
     "MetadataBuffers",
     "PagedKVCaches",
-    "ScheduledChunk",
     "YarnScaling",
     "allocate_kv_caches",
     "load_checkpoint",

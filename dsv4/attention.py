@@ -3,7 +3,8 @@
 ``forward(positions, hidden_states)`` runs, in order:
 1. input projections (always captured): ``q_res = q_a_norm(q_a_proj(x))``, ``kv_proj(x)``, and
    the preallocation of the ``[T, heads, head_dim]`` output the attention core writes into;
-2. ``self._region(...)`` — what the strategy composed from the two private steps:
+2. the region — what the forward context's ``eager_region`` composed from the two private
+   steps (composed once per strategy and layer, then reused):
    - ``_prepare``: everything that reads or writes attention metadata: query up-projection,
      per-head norm and RoPE; KV norm, RoPE and cache insert; the compressor; the indexer's
      keys, queries and weights; and every cache address ``_attend`` will read (the window's
@@ -17,18 +18,23 @@
 3. inverse RoPE on the output and the grouped low-rank output projection (captured).
 
 No other path calls ``_prepare``/``_attend``, so no caller can bypass the strategy.
-``_attend`` reads no metadata at all, only what ``_prepare`` handed it: an eager segment replays
-with its capture-time arguments, and those are tensors the captured ``_prepare`` rewrites on
-every replay (or, in a wider region, fresh tensors of the same eager run).
+``_prepare`` reads the step's metadata and the layer's paged caches from the forward context;
+``_attend`` reads nothing of the context, only what ``_prepare`` handed it: an eager segment
+replays with its capture-time arguments, and those are tensors the captured ``_prepare``
+rewrites on every replay (or, in a wider region, fresh tensors of the same eager run). The layer
+holds no per-run state: the region, the metadata and the caches all arrive with the step, so
+several runners may drive one model in turn.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import attrs
 import torch
 from torch import nn
 
-from dsv4.cache import LayerCache
+from dsv4.cache import LayerCache, PagedKVCaches
 from dsv4.compressor import Compressor
 from dsv4.config import CSA, SLIDING, DeepseekV4Config
 from dsv4.indexer import Indexer
@@ -43,7 +49,7 @@ from dsv4.paging import (
 )
 from dsv4.pooling import PoolingPlan, entry_capacity, entry_ends
 from dsv4.rope import RotaryEmbedding, RotaryTables
-from graphs import EagerRegionStrategy, NarrowRegion, get_forward_context
+from graphs import EagerRegionStrategy, ForwardContext, get_forward_context
 
 __all__ = ["DeepseekV4Attention"]
 
@@ -62,8 +68,10 @@ class _Entries:
 
 @attrs.frozen(kw_only=True, eq=False)
 class _Prepared:
-    """What ``_prepare`` hands to ``_attend``: tensors only (addresses already resolved)."""
+    """What ``_prepare`` hands to ``_attend``: the layer's caches and tensors (every address
+    already resolved)."""
 
+    cache: LayerCache
     queries: torch.Tensor
     window: Window
     """The sliding window: key slots and positions (negative: before the request's start)."""
@@ -71,8 +79,8 @@ class _Prepared:
     out: torch.Tensor
 
 
-def _metadata() -> AttentionMetadata:
-    metadata = get_forward_context().attn_metadata
+def _metadata(ctx: ForwardContext) -> AttentionMetadata:
+    metadata = ctx.attn_metadata
     if not isinstance(metadata, AttentionMetadata):
         raise TypeError(
             f"the forward context carries {type(metadata).__name__}, expected AttentionMetadata"
@@ -80,17 +88,25 @@ def _metadata() -> AttentionMetadata:
     return metadata
 
 
+def _layer_cache(ctx: ForwardContext, layer_idx: int, num_layers: int) -> LayerCache:
+    caches = ctx.kv_caches
+    if not isinstance(caches, PagedKVCaches):
+        raise RuntimeError(
+            "the forward context carries no KV caches: pass ForwardContext(kv_caches=...) the "
+            "caches allocate_kv_caches made for this model"
+        )
+    if len(caches.layers) != num_layers:
+        raise ValueError(f"caches hold {len(caches.layers)} layers, the model has {num_layers}")
+    return caches.layers[layer_idx]
+
+
 class DeepseekV4Attention(nn.Module):
     """Shared-KV multi-query attention with window, compressed entries, sinks and grouped output."""
 
-    def __init__(
-        self,
-        config: DeepseekV4Config,
-        layer_idx: int,
-        *,
-        strategy: EagerRegionStrategy = NarrowRegion(),  # noqa: B008 - strategies are values
-    ) -> None:
+    def __init__(self, config: DeepseekV4Config, layer_idx: int) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
+        self.num_layers = config.num_hidden_layers
         self.layer_type = config.layer_types[layer_idx]
         self.num_heads = config.num_attention_heads
         self.head_dim = config.head_dim
@@ -124,26 +140,20 @@ class DeepseekV4Attention(nn.Module):
                 config.rope_dim, config.compress_rope_theta, config.compress_yarn, widths
             )
             self.compressor = _compressor(config, self.layer_type)
-        self._cache: LayerCache | None = None
-        self.use_strategy(strategy)
+        self._regions: dict[EagerRegionStrategy, Callable[..., torch.Tensor]] = {}
+        """The region each strategy composed, by strategy (composed on first use)."""
 
-    # -- configuration -------------------------------------------------------------------------
-    @property
-    def strategy(self) -> EagerRegionStrategy:
-        return self._strategy
+    def _region(self, strategy: EagerRegionStrategy) -> Callable[..., torch.Tensor]:
+        """What ``strategy`` composes from ``_prepare`` and ``_attend`` (composed once)."""
+        composed = self._regions.get(strategy)
+        if composed is None:
+            composed = self._regions[strategy] = strategy.compose(self._prepare, self._attend)
+        return composed
 
-    def use_strategy(self, strategy: EagerRegionStrategy) -> None:
-        """Re-compose the region from ``strategy`` (the model's ``set_eager_region`` calls this)."""
-        self._strategy = strategy
-        self._region = strategy.compose(self._prepare, self._attend)
-
-    def bind_cache(self, cache: LayerCache) -> None:
-        """Attach this layer's paged caches (owned by the runner)."""
-        self._cache = cache
-
-    # -- forward -------------------------------------------------------------------------------
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[T, hidden]`` -> ``[T, hidden]`` at ``positions`` (metadata: forward context)."""
+        """``[T, hidden]`` -> ``[T, hidden]`` at ``positions``; the metadata, caches and region
+        come from the forward context."""
+        region = self._region(get_forward_context().eager_region)
         tokens = hidden_states.shape[0]
         q_residual = self.q_a_norm(self.q_a_proj(hidden_states))
         kv = self.kv_proj(hidden_states)
@@ -151,17 +161,12 @@ class DeepseekV4Attention(nn.Module):
         query_positions = positions.unsqueeze(-1)
         tables = self.rope.tables(query_positions, hidden_states.dtype)
         heads = tables.per_head()
-        attended = self._region(
+        attended = region(
             positions, query_positions, hidden_states, q_residual, kv, out, tables, heads
         )
         attended = self.rope.rotate(attended, heads.last(self.head_dim), inverse=True)
         grouped = self.o_a_proj(attended.reshape(tokens, self.o_groups, -1)).flatten(1)
         return self.o_b_proj(grouped)
-
-    def _cache_or_raise(self) -> LayerCache:
-        if self._cache is None:
-            raise RuntimeError("no KV caches bound: call model.bind_kv_caches(caches) first")
-        return self._cache
 
     def _prepare(
         self,
@@ -174,7 +179,8 @@ class DeepseekV4Attention(nn.Module):
         tables: RotaryTables,
         heads: RotaryTables,
     ) -> _Prepared:
-        metadata, cache = _metadata(), self._cache_or_raise()
+        ctx = get_forward_context()
+        metadata, cache = _metadata(ctx), _layer_cache(ctx, self.layer_idx, self.num_layers)
         q = self.q_b_proj(q_residual).unflatten(-1, (self.num_heads, self.head_dim))
         q = self.rope.rotate(rms_normalize(q, self.eps), heads.last(self.head_dim))
         write = sink_rows(metadata.slot_mapping, cache.kv)
@@ -188,7 +194,7 @@ class DeepseekV4Attention(nn.Module):
             query_positions, max(self.sliding_window, span), blocks, block_size
         )
         prepared = _Prepared(
-            queries=q, window=window.last(self.sliding_window), entries=None, out=out
+            cache=cache, queries=q, window=window.last(self.sliding_window), entries=None, out=out
         )
         if compressor is None or cache.compressor is None:
             return prepared
@@ -224,8 +230,7 @@ class DeepseekV4Attention(nn.Module):
         return attrs.evolve(prepared, entries=entries)
 
     def _attend(self, prepared: _Prepared) -> torch.Tensor:
-        cache = self._cache_or_raise()
-        window = prepared.window
+        cache, window = prepared.cache, prepared.window
         keys = read_rows(cache.kv, window.slots)
         visible = window.positions >= 0
         entries = prepared.entries

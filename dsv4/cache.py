@@ -1,4 +1,5 @@
-"""Paged caches of every attention layer, owned by the runner and bound into the model.
+"""Paged caches of every attention layer, owned by the runner and handed to the model per step
+(``ForwardContext.kv_caches``).
 
 Layout (``S = num_blocks * block_size`` slots, plus one write-sink row, see ``dsv4.paging``):
 - ``LayerCache.kv`` ``[S+1, head_dim]``: the normalised, rotated KV latent of each token. It is

@@ -18,7 +18,6 @@ expert id outside ``0 .. n_routed_experts-1``.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -29,9 +28,9 @@ from safetensors.torch import save_file
 
 from dsv4.config import DeepseekV4Config
 from dsv4.errors import CheckpointError
+from dsv4.hf_config import load_config, save_config
 from dsv4.model import DeepseekV4ForCausalLM
 from dsv4.weights import randomize_
-from graphs import EagerRegionStrategy, NarrowRegion
 
 __all__ = ["TensorValueError", "canonical_name", "load_checkpoint", "save_random_checkpoint"]
 
@@ -163,6 +162,7 @@ def _check_expert_ids(table: torch.Tensor, path: Path, key: str, num_experts: in
 
 
 def _merge_experts(
+    directory: Path,
     pieces: dict[str, dict[tuple[int, str], tuple[Path, str]]],
     targets: dict[str, torch.Tensor],
     num_experts: int,
@@ -179,7 +179,9 @@ def _merge_experts(
         for e in range(num_experts):
             for w in ("w1", "w2", "w3"):
                 if (e, w) not in found:
-                    raise CheckpointError(f"checkpoint is missing tensor '{prefix}.{e}.{w}.weight'")
+                    raise CheckpointError(
+                        f"checkpoint {directory} is missing tensor '{prefix}.{e}.{w}.weight'"
+                    )
             w1, w3, w2 = (
                 _read(*found[(e, w)], targets[gate_up][e, :half] if w != "w2" else targets[down][e])
                 for w in ("w1", "w3", "w2")
@@ -193,17 +195,13 @@ def _merge_experts(
 def load_checkpoint(
     directory: str | Path,
     *,
-    strategy: EagerRegionStrategy = NarrowRegion(),  # noqa: B008 - strategies are values
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> DeepseekV4ForCausalLM:
     """Build the model described by ``directory/config.json`` and fill it from its safetensors."""
     directory = Path(directory)
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise CheckpointError(f"no config.json in checkpoint directory {directory}")
-    config = DeepseekV4Config.from_json_file(config_path)
-    model = DeepseekV4ForCausalLM(config, strategy=strategy, device=device, dtype=dtype)
+    config = load_config(directory)
+    model = DeepseekV4ForCausalLM(config, device=device, dtype=dtype)
     targets = dict(model.state_dict(keep_vars=True))
     if config.tie_word_embeddings:
         targets.pop("lm_head.weight")
@@ -228,7 +226,7 @@ def load_checkpoint(
             )
         else:
             raise CheckpointError(f"unexpected tensor {key!r} in {path.name}")
-    sources.update(_merge_experts(pieces, targets, config.n_routed_experts))
+    sources.update(_merge_experts(directory, pieces, targets, config.n_routed_experts))
     missing = [name for name in targets if name not in sources]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -256,7 +254,7 @@ def save_random_checkpoint(directory: str | Path, config: DeepseekV4Config, seed
     if config.tie_word_embeddings:
         state.pop("lm_head.weight")
     try:
-        (directory / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
+        save_config(directory, config)
         save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
     except OSError as exc:
         raise CheckpointError(f"cannot write checkpoint to {directory}: {exc}") from None

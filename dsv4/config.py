@@ -3,8 +3,8 @@
 Field names follow the Hugging Face ``config.json`` of DeepSeek-V4 (transformers 5.23.0) so a
 reader can map one to the other; the two per-type compression rates and the two RoPE parts are
 flattened into plain fields (``compress_rate_csa``/``compress_rate_hca``, ``main_yarn`` /
-``compress_yarn``). ``from_hf_dict``/``to_hf_dict`` convert from and to the Hugging Face layout
-(see ``dsv4.hf_config``), including its legacy spellings.
+``compress_yarn``). ``from_hf_dict``/``to_hf_dict``/``from_json_file`` convert from and to the
+Hugging Face layout (see ``dsv4.hf_config``), including its legacy spellings.
 
 Invariants (checked at construction, violations raise ``ConfigError`` naming the field):
 - ``layer_types``/``mlp_layer_types`` have one known entry per layer;
@@ -15,7 +15,6 @@ Invariants (checked at construction, violations raise ``ConfigError`` naming the
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -150,12 +149,10 @@ class DeepseekV4Config:
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> DeepseekV4Config:
-        """Read a Hugging Face ``config.json`` file."""
-        try:
-            raw = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"cannot read config {path}: {exc}") from None
-        return cls.from_hf_dict(raw)
+        """Read a Hugging Face ``config.json`` file (``dsv4.hf_config`` owns the format)."""
+        from dsv4.hf_config import read_config_file
+
+        return read_config_file(path)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The Hugging Face ``config.json`` dict; ``transformers`` reads it to the same model."""

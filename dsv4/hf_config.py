@@ -1,4 +1,5 @@
-"""Conversion between ``DeepseekV4Config`` and the Hugging Face ``config.json`` layout.
+"""The Hugging Face ``config.json``: reading and writing the file, and converting its dict to and
+from ``DeepseekV4Config``. Every read or write of a ``config.json`` goes through this module.
 
 Reading follows transformers 5.23.0 exactly where it changes the numbers:
 - ``layer_types`` wins over the legacy per-layer ``compress_ratios`` (0 → sliding, 4 → CSA,
@@ -7,20 +8,20 @@ Reading follows transformers 5.23.0 exactly where it changes the numbers:
   ``compress_rate_hca``; ``mlp_layer_types`` defaults to ``num_hash_layers`` (3) hash layers.
 - ``partial_rotary_factor`` defaults to the legacy ``qk_rope_head_dim / head_dim``.
 - ``rope_parameters`` (or the legacy ``rope_scaling``) either nested as ``{"main", "compress"}``
-  or flat; a flat dict's YaRN keys apply to the compress part only, with ``attention_factor``
-  1.0 unless given. In a nested part without ``attention_factor`` YaRN derives it from
-  ``factor`` (and ``mscale``/``mscale_all_dim``), as the reference does.
+  or flat; a flat dict's YaRN keys apply to the compress part only (``dsv4.hf_rope``).
 
 Values the reference accepts but this model does not implement raise ``ConfigError`` instead of
 being ignored silently (see the README section on supported fields); an ``architectures`` entry
 other than ``ARCHITECTURE`` raises its subclass ``UnsupportedArchitectureError``, so a config
-written for another model is never run as DeepSeek-V4.
+written for another model is never run as DeepSeek-V4. A checkpoint directory without a
+``config.json`` raises ``CheckpointError``; a file that is not a JSON object, ``ConfigError``.
 """
 
 from __future__ import annotations
 
-import math
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from dsv4.config import (
@@ -30,16 +31,24 @@ from dsv4.config import (
     POSITIVE_INT_FIELDS,
     SLIDING,
     DeepseekV4Config,
-    YarnScaling,
 )
-from dsv4.errors import ConfigError
+from dsv4.errors import CheckpointError, ConfigError
+from dsv4.hf_rope import read_rope_part, rope_part_dict
 
 __all__ = [
+    "CONFIG_FILE",
     "UnsupportedArchitectureError",
     "architecture_of",
+    "checkpoint_architecture",
     "config_from_hf_dict",
     "config_to_hf_dict",
+    "load_config",
+    "read_config_file",
+    "save_config",
 ]
+
+CONFIG_FILE = "config.json"
+"""The name of the config file in a Hugging Face checkpoint directory."""
 
 
 class UnsupportedArchitectureError(ConfigError):
@@ -100,55 +109,6 @@ def _str_list(raw: Mapping[str, Any], key: str, n: int) -> tuple[str, ...]:
     if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
         raise ConfigError(f"config field {key!r} must be a list of strings, got {value!r}")
     return tuple(value[:n])
-
-
-def _mscale(factor: float, mscale: float = 1.0) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def _yarn(part: Mapping[str, Any], label: str, max_pos: int, flat: bool) -> YarnScaling:
-    where = f"rope_parameters[{label!r}]"
-    if part.get("truncate", True) is not True:
-        raise ConfigError(f"{where}: truncate=false is not supported (the reference truncates)")
-    factor = part.get("factor")
-    if isinstance(factor, bool) or not isinstance(factor, int | float):
-        raise ConfigError(f"{where}: YaRN needs a numeric 'factor', got {factor!r}")
-    original = part.get("original_max_position_embeddings") or max_pos
-    if isinstance(original, bool) or not isinstance(original, int):
-        raise ConfigError(f"{where}: original_max_position_embeddings must be an integer")
-    attention = part.get("attention_factor")
-    if attention is None:
-        mscale, mscale_all = part.get("mscale"), part.get("mscale_all_dim")
-        if flat:
-            attention = 1.0
-        elif mscale and mscale_all:
-            attention = _mscale(factor, mscale) / _mscale(factor, mscale_all)
-        else:
-            attention = _mscale(factor)
-    return YarnScaling(
-        factor=float(factor),
-        original_max_position_embeddings=original,
-        beta_fast=float(part.get("beta_fast") or 32),
-        beta_slow=float(part.get("beta_slow") or 1),
-        attention_factor=float(attention),
-    )
-
-
-def _rope_part(
-    part: Mapping[str, Any], label: str, theta: float, max_pos: int, flat: bool
-) -> tuple[float, YarnScaling | None]:
-    if not isinstance(part, Mapping):
-        raise ConfigError(f"rope_parameters[{label!r}] must be a dict, got {part!r}")
-    rope_type = part.get("rope_type", part.get("type", "default"))
-    theta = float(part.get("rope_theta", theta)) if not flat else theta
-    if rope_type == "default":
-        return theta, None
-    if rope_type == "yarn":
-        return theta, _yarn(part, label, max_pos, flat)
-    raise ConfigError(
-        f"rope_parameters[{label!r}]: rope_type {rope_type!r} is not supported "
-        "(supported: 'default', 'yarn')"
-    )
 
 
 def _partial_rotary_factor(fields: dict[str, Any], raw: Mapping[str, Any], parts: list[Any]) -> Any:
@@ -256,39 +216,22 @@ def config_from_hf_dict(raw: Mapping[str, Any]) -> DeepseekV4Config:
     max_pos = fields.get("max_position_embeddings", 1048576)
     theta = fields.get("rope_theta", 10000.0)
     if nested:
-        fields["rope_theta"], fields["main_yarn"] = _rope_part(
+        fields["rope_theta"], fields["main_yarn"] = read_rope_part(
             rope["main"], "main", theta, max_pos, False
         )
-        fields["compress_rope_theta"], fields["compress_yarn"] = _rope_part(
+        fields["compress_rope_theta"], fields["compress_yarn"] = read_rope_part(
             rope["compress"], "compress", theta, max_pos, False
         )
     else:
         compress_theta = fields.get("compress_rope_theta", 160000.0)
-        _, fields["compress_yarn"] = _rope_part(rope, "compress", compress_theta, max_pos, True)
+        _, fields["compress_yarn"] = read_rope_part(rope, "compress", compress_theta, max_pos, True)
     return DeepseekV4Config(**fields)
-
-
-def _rope_dict(theta: float, yarn: YarnScaling | None, prf: float) -> dict[str, Any]:
-    part: dict[str, Any] = {
-        "rope_type": "default",
-        "rope_theta": theta,
-        "partial_rotary_factor": prf,
-    }
-    if yarn is not None:
-        part.update(
-            rope_type="yarn",
-            factor=yarn.factor,
-            original_max_position_embeddings=yarn.original_max_position_embeddings,
-            beta_fast=yarn.beta_fast,
-            beta_slow=yarn.beta_slow,
-            attention_factor=yarn.attention_factor,
-        )
-    return part
 
 
 def config_to_hf_dict(config: DeepseekV4Config) -> dict[str, Any]:
     """The Hugging Face ``config.json`` dict (nested ``rope_parameters``, every value explicit)."""
     out: dict[str, Any] = {"architectures": [ARCHITECTURE], "model_type": "deepseek_v4"}
+    rotary = config.partial_rotary_factor
     out.update({k: getattr(config, k) for k in _INT_FIELDS + _FLOAT_FIELDS})
     out.update(_FIXED)
     eos = config.eos_token_id
@@ -296,17 +239,53 @@ def config_to_hf_dict(config: DeepseekV4Config) -> dict[str, Any]:
         layer_types=list(config.layer_types),
         mlp_layer_types=list(config.mlp_layer_types),
         compress_rates={CSA: config.compress_rate_csa, HCA: config.compress_rate_hca},
-        partial_rotary_factor=config.partial_rotary_factor,
+        partial_rotary_factor=rotary,
         scoring_func=config.scoring_func,
         tie_word_embeddings=config.tie_word_embeddings,
         bos_token_id=config.bos_token_id,
         eos_token_id=list(eos) if isinstance(eos, tuple) else eos,
         pad_token_id=config.pad_token_id,
         rope_parameters={
-            "main": _rope_dict(config.rope_theta, config.main_yarn, config.partial_rotary_factor),
-            "compress": _rope_dict(
-                config.compress_rope_theta, config.compress_yarn, config.partial_rotary_factor
-            ),
+            "main": rope_part_dict(config.rope_theta, config.main_yarn, rotary),
+            "compress": rope_part_dict(config.compress_rope_theta, config.compress_yarn, rotary),
         },
     )
     return out
+
+
+def read_config_file(path: str | Path) -> DeepseekV4Config:
+    """The config a ``config.json`` file holds (``ConfigError`` if it cannot be read)."""
+    return config_from_hf_dict(_read_json(Path(path)))
+
+
+def load_config(directory: str | Path) -> DeepseekV4Config:
+    """The config of the checkpoint in ``directory``."""
+    path = Path(directory) / CONFIG_FILE
+    if not path.is_file():
+        raise CheckpointError(f"no {CONFIG_FILE} in checkpoint directory {directory}")
+    return read_config_file(path)
+
+
+def checkpoint_architecture(directory: str | Path) -> str:
+    """The architecture the checkpoint's ``config.json`` names (``UnsupportedArchitectureError``
+    for one this library does not implement); ``ARCHITECTURE`` when the file is missing or
+    unreadable, which is left for loading to report."""
+    try:
+        raw = _read_json(Path(directory) / CONFIG_FILE)
+    except ConfigError:
+        return ARCHITECTURE
+    return architecture_of(raw) if isinstance(raw, dict) else ARCHITECTURE
+
+
+def save_config(directory: str | Path, config: DeepseekV4Config) -> Path:
+    """Write ``config`` as the ``config.json`` of ``directory`` (which must exist); its path."""
+    path = Path(directory) / CONFIG_FILE
+    path.write_text(json.dumps(config_to_hf_dict(config), indent=2) + "\n")
+    return path
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read config {path}: {exc}") from None

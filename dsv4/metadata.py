@@ -15,6 +15,10 @@ Invariants:
   ``new_metadata`` zeroes them; ``MetadataBuffers`` rewrites only rows whose blocks changed since
   it last wrote them and leaves the rest as they were.
 
+Metadata is built from chunks: anything with a block-table ``row``, its ``block_ids``, a
+``start_position`` and ``num_tokens`` (the structural ``ChunkLike``), so the model knows nothing
+of the engine that schedules them.
+
 Two ways to build it, one per runner policy:
 - ``new_metadata``: fresh tensors every step (V1; not address-stable).
 - ``MetadataBuffers.write``: rewrite persistent buffers in place and return views of them (V2;
@@ -29,21 +33,29 @@ from collections.abc import Sequence
 
 import attrs
 import torch
+from typing_extensions import Protocol
 
-__all__ = ["AttentionMetadata", "MetadataBuffers", "ScheduledChunk", "new_metadata", "stage_into"]
+__all__ = ["AttentionMetadata", "ChunkLike", "MetadataBuffers", "new_metadata", "stage_into"]
 
 
-@attrs.frozen(kw_only=True)
-class ScheduledChunk:
-    """Host-side description of one request's tokens in this step."""
+class ChunkLike(Protocol):
+    """One request's tokens in a step, as metadata needs them (host values only)."""
 
-    row: int
-    """Block-table row that holds this request (stable while the request lives)."""
-    block_ids: tuple[int, ...]
-    """Cache blocks owned by the request, in order; must cover every position written."""
-    start_position: int
-    """Position of the first token of this chunk (= tokens already in the cache)."""
-    num_tokens: int = attrs.field(validator=attrs.validators.gt(0))
+    @property
+    def row(self) -> int:
+        """Block-table row that holds the request (stable while the request lives)."""
+
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        """Cache blocks owned by the request, in order; they cover every position written."""
+
+    @property
+    def start_position(self) -> int:
+        """Position of the chunk's first token (= tokens already in the cache)."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the chunk feeds (at least one)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -65,7 +77,7 @@ class AttentionMetadata:
 
 
 def _host_rows(
-    chunks: Sequence[ScheduledChunk], num_tokens: int, block_size: int, max_blocks: int
+    chunks: Sequence[ChunkLike], num_tokens: int, block_size: int, max_blocks: int
 ) -> tuple[list[int], list[int], list[int]]:
     """Token rows, slots and positions (padding: row 0, slot -1, position 0)."""
     rows: list[int] = []
@@ -89,12 +101,12 @@ def _host_rows(
     return rows + [0] * pad, slots + [-1] * pad, positions + [0] * pad
 
 
-def _check_row(chunk: ScheduledChunk, max_rows: int) -> None:
+def _check_row(chunk: ChunkLike, max_rows: int) -> None:
     if not 0 <= chunk.row < max_rows:
         raise ValueError(f"row {chunk.row} outside the block table's {max_rows} rows")
 
 
-def _host_table(chunks: Sequence[ScheduledChunk], max_rows: int, max_blocks: int) -> torch.Tensor:
+def _host_table(chunks: Sequence[ChunkLike], max_rows: int, max_blocks: int) -> torch.Tensor:
     table = torch.zeros(max_rows, max_blocks, dtype=torch.int64)
     for chunk in chunks:
         _check_row(chunk, max_rows)
@@ -104,7 +116,7 @@ def _host_table(chunks: Sequence[ScheduledChunk], max_rows: int, max_blocks: int
 
 
 def new_metadata(
-    chunks: Sequence[ScheduledChunk],
+    chunks: Sequence[ChunkLike],
     *,
     num_tokens: int,
     block_size: int,
@@ -158,7 +170,7 @@ class MetadataBuffers:
         return (self.token_request, self.slot_mapping, self.block_table)
 
     def write(
-        self, chunks: Sequence[ScheduledChunk], *, num_tokens: int, positions_out: torch.Tensor
+        self, chunks: Sequence[ChunkLike], *, num_tokens: int, positions_out: torch.Tensor
     ) -> AttentionMetadata:
         """Rewrite the buffers for this step; write positions into ``positions_out[:T]``."""
         per_token = torch.tensor(
@@ -176,7 +188,7 @@ class MetadataBuffers:
             block_size=self.block_size,
         )
 
-    def _write_table_row(self, chunk: ScheduledChunk) -> None:
+    def _write_table_row(self, chunk: ChunkLike) -> None:
         _check_row(chunk, self.max_rows)
         ids = chunk.block_ids[: self.max_blocks]
         if self._table_rows.get(chunk.row) == ids:

@@ -5,10 +5,11 @@ reference parameter names (``model.layers.{i}.self_attn.q_a_proj.weight`` ...) a
 checkpoint loads by name.
 
 Contract with the runners: ``model(input_ids [T], positions [T]) -> logits [T, vocab]`` (fp32),
-reading ``get_forward_context().attn_metadata``; caches are allocated by the runner
-(``dsv4.cache.allocate_kv_caches``) and handed over with ``bind_kv_caches``; the eager region
-of every attention layer changes only through ``set_eager_region``. Padded tokens (slot -1)
-give finite garbage and write nothing.
+run inside a forward context (``graphs.forward_context``) carrying the step's attention metadata,
+the paged caches (allocated by the runner with ``dsv4.cache.allocate_kv_caches``) and the eager
+region every attention layer composes its region with. The model keeps none of them, so one
+model may be driven by several runners in turn. Padded tokens (slot -1) give finite garbage and
+write nothing.
 
 Inference only: parameters do not require gradients (so cache writes never record autograd
 history). Dtypes: parameters take the requested dtype except those the reference keeps in fp32
@@ -22,12 +23,10 @@ import torch
 from torch import nn
 
 from dsv4.attention import DeepseekV4Attention
-from dsv4.cache import PagedKVCaches
 from dsv4.config import DeepseekV4Config
 from dsv4.hyper import HyperConnection, HyperHead, mix
 from dsv4.layers import RMSNorm, read_rows
 from dsv4.moe import MoE
-from graphs import EagerRegionStrategy, NarrowRegion
 
 __all__ = ["FP32_PARAMETER_MARKERS", "DeepseekV4ForCausalLM", "DeepseekV4Model"]
 
@@ -47,13 +46,11 @@ FP32_PARAMETER_MARKERS = (
 class DecoderLayer(nn.Module):
     """Attention and MoE, each wrapped by a hyper-connection over the ``hc_mult`` streams."""
 
-    def __init__(
-        self, config: DeepseekV4Config, layer_idx: int, strategy: EagerRegionStrategy
-    ) -> None:
+    def __init__(self, config: DeepseekV4Config, layer_idx: int) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         hc = {"eps": config.hc_eps, "norm_eps": eps}
-        self.self_attn = DeepseekV4Attention(config, layer_idx, strategy=strategy)
+        self.self_attn = DeepseekV4Attention(config, layer_idx)
         self.mlp = MoE(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
@@ -80,12 +77,12 @@ class DecoderLayer(nn.Module):
 class DeepseekV4Model(nn.Module):
     """Embeddings, decoder layers, final hyper-connection head and norm."""
 
-    def __init__(self, config: DeepseekV4Config, strategy: EagerRegionStrategy) -> None:
+    def __init__(self, config: DeepseekV4Config) -> None:
         super().__init__()
         self.hc_mult = config.hc_mult
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, strategy) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hc_head = HyperHead(
@@ -107,46 +104,23 @@ class DeepseekV4ForCausalLM(nn.Module):
         self,
         config: DeepseekV4Config,
         *,
-        strategy: EagerRegionStrategy = NarrowRegion(),  # noqa: B008 - strategies are values
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         self.config = config
-        self.model = DeepseekV4Model(config, strategy)
+        self.model = DeepseekV4Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self._strategy = strategy
         self.requires_grad_(False)
         self.to(device=device)
         for name, parameter in self.named_parameters():
             if not any(marker in name for marker in FP32_PARAMETER_MARKERS):
                 parameter.data = parameter.data.to(dtype)
 
-    @property
-    def strategy(self) -> EagerRegionStrategy:
-        """The eager-region strategy every attention layer is composed with."""
-        return self._strategy
-
     def attention_layers(self) -> list[DeepseekV4Attention]:
         return [module for module in self.modules() if isinstance(module, DeepseekV4Attention)]
-
-    def set_eager_region(self, strategy: EagerRegionStrategy) -> None:
-        """Re-compose every attention layer's region from ``strategy``."""
-        self._strategy = strategy
-        for attention in self.attention_layers():
-            attention.use_strategy(strategy)
-
-    def bind_kv_caches(self, caches: PagedKVCaches) -> None:
-        """Hand each attention layer its paged caches (the runner keeps ownership)."""
-        layers = self.attention_layers()
-        if len(caches.layers) != len(layers):
-            raise ValueError(
-                f"caches hold {len(caches.layers)} layers, the model has {len(layers)}"
-            )
-        for attention, cache in zip(layers, caches.layers, strict=True):
-            attention.bind_cache(cache)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits ``[T, vocab]`` in fp32 for tokens ``input_ids`` at ``positions``."""

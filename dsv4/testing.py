@@ -1,4 +1,5 @@
-"""Drive the model through paged caches without a runner: a reference harness for tests.
+"""Test support for the model, shipped in the package: a runner-free harness and hypothesis
+strategies for configs and prompts (test-time only: needs hypothesis).
 
 ``run_schedule`` teacher-forces a list of prompts through ``DeepseekV4ForCausalLM`` step by
 step — each step a batch of chunks, one per request that still has tokens — and returns every
@@ -6,10 +7,19 @@ token's logits per prompt. With one chunk per prompt that is a batched prefill; 
 chunk sizes it is chunked prefill; with chunks of one it is token-by-token decode; prompts of
 different lengths and chunkings put requests at different positions in the same batch. Blocks
 and block-table rows are assigned in a shuffled order so paging is really exercised, and a
-batch may be padded (padded tokens have slot -1).
+batch may be padded (padded tokens have slot -1). Runners own scheduling for real; the harness
+exists so that tests can compare cached paths against an uncached reference.
 
-Runners own scheduling for real; this module only exists so that tests (and their authors) can
-compare cached paths against an uncached reference.
+The strategies are the one definition of random models and prompts: the model's own tests,
+the runner tests and the platform conformance kit (``runners.testing``) all draw from them.
+Configs are tiny (hidden <= 32, <= 3 layers) so one example costs well under a second, yet they
+mix all three layer types, windows shorter and longer than the prompts, CSA rates down to 1 and
+lowered HCA rates, YaRN on and off (in both RoPE parts), rotary fractions, ``o_groups``, MoE
+shapes, hash and top-k routing, both scoring functions, and >= 16 indexer heads: an entry
+scores exactly 0 when ReLU zeroes every head (probability about ``2**-heads`` per token and
+entry), and two such zeros straddling the top-k cut are a legitimate tie that ``torch.topk``
+breaks differently for different row lengths. With 8-10 heads, rate-1 CSA and 37-token prompts
+that happened.
 """
 
 from __future__ import annotations
@@ -18,14 +28,46 @@ import math
 import random
 from collections.abc import Sequence
 
+import attrs
 import torch
+from hypothesis import assume
+from hypothesis import strategies as st
 
 from dsv4.cache import allocate_kv_caches
-from dsv4.metadata import ScheduledChunk, new_metadata
+from dsv4.config import CSA, HCA, SLIDING, DeepseekV4Config, YarnScaling
+from dsv4.metadata import new_metadata
 from dsv4.model import DeepseekV4ForCausalLM
+from dsv4.weights import randomize_
 from graphs import ForwardContext, forward_context
 
-__all__ = ["chunk_schedule", "run_schedule"]
+__all__ = [
+    "VOCAB",
+    "Chunk",
+    "chunk_schedule",
+    "chunk_sizes",
+    "configs",
+    "layer_types",
+    "prompt_batches",
+    "prompts",
+    "random_model",
+    "run_schedule",
+    "yarns",
+]
+
+VOCAB = 64
+"""Vocabulary of the drawn configs (and default range of the drawn prompts)."""
+
+
+@attrs.frozen(kw_only=True)
+class Chunk:
+    """One request's tokens in a step, for driving the model without an engine (any object
+    with these four attributes will do: ``dsv4.metadata.ChunkLike``)."""
+
+    row: int
+    block_ids: tuple[int, ...]
+    start_position: int
+    num_tokens: int = attrs.field(validator=attrs.validators.gt(0))
+
 
 Step = Sequence[tuple[int, int]]
 """One step: ``(request index, number of tokens)`` pairs, at most one per request."""
@@ -68,12 +110,11 @@ def run_schedule(
         device=device,
         dtype=next(model.parameters()).dtype,
     )
-    model.bind_kv_caches(caches)
 
     done = [0] * len(prompts)
     outputs: list[list[torch.Tensor]] = [[] for _ in prompts]
     for step in steps:
-        chunks: list[ScheduledChunk] = []
+        chunks: list[Chunk] = []
         ids: list[int] = []
         for request, count in step:
             begin = done[request]
@@ -82,7 +123,7 @@ def run_schedule(
                     f"step asks for tokens {begin}..{begin + count} of request {request}"
                 )
             chunks.append(
-                ScheduledChunk(
+                Chunk(
                     row=rows[request],
                     block_ids=blocks[request],
                     start_position=begin,
@@ -101,7 +142,8 @@ def run_schedule(
             device=device,
         )
         input_ids = torch.tensor(ids + [0] * (padded - len(ids)), device=device)
-        with torch.inference_mode(), forward_context(ForwardContext(attn_metadata=metadata)):
+        ctx = ForwardContext(attn_metadata=metadata, kv_caches=caches)
+        with torch.inference_mode(), forward_context(ctx):
             logits = model(input_ids, positions)
         offset = 0
         for request, count in step:
@@ -111,3 +153,108 @@ def run_schedule(
     if unfinished:
         raise ValueError(f"the schedule leaves requests {unfinished} unfinished")
     return [torch.cat(parts) for parts in outputs]
+
+
+def random_model(
+    config: DeepseekV4Config, seed: int, device: torch.device | str = "cpu"
+) -> DeepseekV4ForCausalLM:
+    """A model of ``config`` with random unit-scale weights, a pure function of ``seed``."""
+    model = DeepseekV4ForCausalLM(config, device=device)
+    randomize_(model, seed, num_experts=config.n_routed_experts)
+    return model.eval()
+
+
+yarns = st.none() | st.builds(
+    YarnScaling,
+    factor=st.sampled_from([2.0, 4.0, 8.0]),
+    original_max_position_embeddings=st.sampled_from([16, 32, 64]),
+    beta_fast=st.sampled_from([32.0, 8.0]),
+    beta_slow=st.sampled_from([1.0, 2.0]),
+    attention_factor=st.sampled_from([1.0, 1.1]),
+)
+
+
+def layer_types(layers: int) -> st.SearchStrategy[list[str]]:
+    """Distinct types in random order (so every type is common), or any mix with repeats."""
+    distinct = st.permutations([SLIDING, CSA, HCA]).map(lambda types: types[:layers])
+    mixed = st.lists(st.sampled_from([SLIDING, CSA, HCA]), min_size=layers, max_size=layers)
+    return distinct | mixed
+
+
+@st.composite
+def configs(draw: st.DrawFn, *, max_layers: int = 3) -> DeepseekV4Config:
+    """A random tiny configuration (every constraint of the config satisfied)."""
+    layers = draw(st.integers(1, max_layers))
+    o_groups = draw(st.integers(1, 2))
+    heads = o_groups * draw(st.integers(1, 2))
+    head_dim = draw(st.sampled_from([8, 12, 16]))
+    rope_dim = draw(st.sampled_from([d for d in (2, 4, 6, 8) if d <= head_dim]))
+    factor = rope_dim / head_dim
+    assume(int(head_dim * factor) == rope_dim)
+    experts = draw(st.integers(1, 5))
+    return DeepseekV4Config(
+        vocab_size=VOCAB,
+        hidden_size=draw(st.sampled_from([16, 32])),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        head_dim=head_dim,
+        q_lora_rank=draw(st.sampled_from([8, 16])),
+        o_groups=o_groups,
+        o_lora_rank=draw(st.sampled_from([4, 8])),
+        partial_rotary_factor=factor,
+        sliding_window=draw(st.integers(1, 12)),
+        layer_types=tuple(draw(layer_types(layers))),
+        compress_rate_csa=draw(st.integers(1, 4)),
+        compress_rate_hca=draw(st.integers(2, 8)),
+        index_n_heads=draw(st.integers(16, 18)),
+        index_head_dim=draw(st.sampled_from([d for d in (8, 12) if d >= rope_dim])),
+        index_topk=draw(st.integers(1, 6)),
+        rope_theta=draw(st.sampled_from([10000.0, 500.0])),
+        compress_rope_theta=draw(st.sampled_from([160000.0, 1000.0])),
+        main_yarn=draw(yarns),
+        compress_yarn=draw(yarns),
+        hc_mult=draw(st.integers(1, 3)),
+        hc_sinkhorn_iters=draw(st.integers(1, 6)),
+        mlp_layer_types=tuple(
+            draw(st.lists(st.sampled_from(["hash_moe", "moe"]), min_size=layers, max_size=layers))
+        ),
+        moe_intermediate_size=draw(st.sampled_from([8, 16])),
+        n_routed_experts=experts,
+        num_experts_per_tok=draw(st.integers(1, min(experts, 3))),
+        scoring_func=draw(st.sampled_from(["sqrtsoftplus", "sigmoid"])),
+        routed_scaling_factor=draw(st.sampled_from([1.0, 1.5])),
+        swiglu_limit=draw(st.sampled_from([10.0, 0.5])),
+        max_position_embeddings=128,
+        tie_word_embeddings=draw(st.booleans()),
+    )
+
+
+def prompts(
+    min_len: int = 1, max_len: int = 40, *, vocab_size: int = VOCAB
+) -> st.SearchStrategy[list[int]]:
+    """Token lists whose length is drawn first (plain lists would be mostly very short)."""
+    tokens = st.integers(0, vocab_size - 1)
+    return st.integers(min_len, max_len).flatmap(lambda n: st.lists(tokens, min_size=n, max_size=n))
+
+
+def prompt_batches(
+    *, max_requests: int = 3, max_len: int = 13, vocab_size: int = VOCAB
+) -> st.SearchStrategy[list[list[int]]]:
+    """Batches of 1 .. ``max_requests`` prompts of different lengths (1 .. ``max_len`` tokens)."""
+    prompt = st.lists(st.integers(0, vocab_size - 1), min_size=1, max_size=max_len)
+    return st.lists(prompt, min_size=1, max_size=max_requests)
+
+
+def chunk_sizes(length: int, max_chunk: int) -> st.SearchStrategy[list[int]]:
+    """A random split of ``length`` tokens into chunks of at most ``max_chunk``."""
+
+    @st.composite
+    def split(draw: st.DrawFn) -> list[int]:
+        sizes, left = [], length
+        while left:
+            size = draw(st.integers(1, min(left, max_chunk)))
+            sizes.append(size)
+            left -= size
+        return sizes
+
+    return split()

@@ -1,12 +1,16 @@
 """The per-step forward context: what a model reads about the current step, set by the runner.
 
-The runner sets it around one forward (``with forward_context(ctx): model(...)``); the model and
-its eager regions read it with ``get_forward_context()``. It lives in ``graphs`` because it is
-shared vocabulary: the model (``dsv4``) may not import the runners.
+The runner sets it around one forward (``with forward_context(ctx): model(...)``) — every eager
+step and every capture; the model and its eager regions read it with ``get_forward_context()``.
+It lives in ``graphs`` because it is shared vocabulary: the model (``dsv4``) may not import the
+runners.
 
 Invariants:
+- It is the one way a step's metadata, paged caches and eager region reach the model: nothing is
+  installed into a model, so several runners may drive one model in turn.
 - Eager segments read the context at the time they run, so on replay they see the metadata of
-  the step being replayed; captured work saw the context once, at capture.
+  the step being replayed; captured work saw the context once, at capture (the region included:
+  which part of a layer is captured is decided when it is captured).
 - Contexts nest and are restored on exit; outside any ``forward_context`` reading raises.
 """
 
@@ -19,6 +23,8 @@ from typing import Any
 
 import attrs
 
+from graphs.strategies import EagerRegionStrategy, NoGraph
+
 __all__ = ["ForwardContext", "forward_context", "get_forward_context"]
 
 
@@ -26,14 +32,16 @@ __all__ = ["ForwardContext", "forward_context", "get_forward_context"]
 class ForwardContext:
     """What one forward step knows about itself.
 
-    ``attn_metadata`` is the model's attention metadata for this step (its type belongs to the
-    model); ``batch_descriptor`` and ``runtime_mode`` are the runner's dispatch key and the graph
-    mode this step runs under (``None`` when running eagerly outside a runner).
+    ``attn_metadata`` and ``kv_caches`` are the model's attention metadata for this step and the
+    paged caches it reads and writes (their types belong to the model). ``eager_region`` is the
+    strategy the attention layers compose their region with; a context that names none gets
+    ``NoGraph``, the widest (always safe) region. Outside a capture every region computes the
+    same function, so plain eager use need not name one.
     """
 
     attn_metadata: Any
-    batch_descriptor: Any = None
-    runtime_mode: Any = None
+    kv_caches: Any = None
+    eager_region: EagerRegionStrategy = attrs.field(factory=NoGraph)
 
 
 _state = threading.local()

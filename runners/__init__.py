@@ -2,12 +2,13 @@
 
 ``resolve`` turns (architecture, platform, user overrides) into a ``Resolution`` whose runner
 class, graph modes and eager region follow DESIGN §3, with a reason for every choice;
-``ModelRunner.from_resolution`` builds the runner, and ``LLM`` (the engine) drives it.
+``build_runner`` builds the runner over a model (``build_engine`` does all of it from an
+``EngineSpec``), and ``LLM`` (the engine) drives it.
 Imports ``graphs``, ``platforms`` and ``dsv4``; nothing is resolved at import time.
 """
 
 from runners.base import ModelRunner
-from runners.batch import DEFAULT_CAPTURE_SIZES, BatchDescriptor
+from runners.batch import DEFAULT_CAPTURE_SIZES
 from runners.engine import LLM, RequestFailedError, SamplingParams
 from runners.errors import (
     CaptureSizeError,
@@ -27,7 +28,7 @@ from runners.resolution import (
     resolve,
     runner_from_name,
 )
-from runners.spec import Engine, EngineSpec, build_engine
+from runners.spec import Engine, EngineSpec, build_engine, build_runner
 from runners.v1 import ModelRunnerV1
 from runners.v2 import ModelRunnerV2
 
@@ -36,7 +37,6 @@ __all__ = [
     "DEFAULT_V2_ARCHITECTURES",
     "LLM",
     "RUNNER_ENV",
-    "BatchDescriptor",
     "CUDAGraphMode",
     "CacheLayout",
     "CaptureSizeError",
@@ -55,6 +55,7 @@ __all__ = [
     "UnknownRunnerError",
     "UnsafeRegionError",
     "build_engine",
+    "build_runner",
     "resolve",
     "runner_from_name",
 ]

@@ -10,11 +10,12 @@ It returns the logits of each chunk's last token. A runner satisfies the engine'
 Invariants:
 - ``input_ids`` and ``positions`` are persistent buffers sized to the token budget; every step
   (eager, capture or replay) reads slices of them, so captured work reads them at fixed addresses.
-- The runner owns the paged KV caches and binds them to the model once.
+- The runner owns the paged KV caches and its eager region; the model keeps neither. Both reach
+  the model through the forward context, with the step's metadata, for exactly one step (every
+  eager step and every capture), so runners over one shared model may run in turn.
 - A graph is captured with dummy metadata before the step's real metadata is written (see
   ``runners.captured``); replays see the real metadata only where the runner's metadata is
   address-stable (V2) or read eagerly (V1's wide region). The capture audit checks exactly that.
-- The forward context (metadata, batch descriptor, runtime mode) is set for exactly one step.
 - The runner's graphs share one backend and its memory pool; the pool is fresh per runner, and
   the runner takes a new backend (a fresh pool) whenever its pool is retired — after
   ``clear_graphs`` or a failed first capture — since a pool is never recorded into again once
@@ -24,6 +25,9 @@ Invariants:
 - FULL graphs serve uniform-decode batches only; mixed batches never run under FULL.
 - Subclasses differ only in how metadata is built (``_write_metadata``) and which metadata memory
   is static (``_static_metadata``); the region each requires is a class attribute.
+- What the engine may schedule is one value, ``limits`` (``EngineLimits``), fixed at construction.
+
+A runner is built from a resolution with ``runners.spec.build_runner``.
 """
 
 from __future__ import annotations
@@ -31,26 +35,24 @@ from __future__ import annotations
 import abc
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
 from dsv4.cache import allocate_kv_caches
-from dsv4.metadata import AttentionMetadata, ScheduledChunk, stage_into
+from dsv4.metadata import AttentionMetadata, stage_into
+from dsv4.model import DeepseekV4ForCausalLM
 from graphs.audit import AuditFinding, AuditMode
 from graphs.backend import GraphBackend, PoolGraphs
 from graphs.forward_context import ForwardContext, forward_context
 from graphs.strategies import EagerRegionStrategy
 from platforms.base import Platform
-from runners.batch import DEFAULT_CAPTURE_SIZES, BatchDescriptor, CaptureSizes
+from runners.batch import DEFAULT_CAPTURE_SIZES, CaptureSizes
 from runners.captured import CapturedGraph, capture_step, static_memory
+from runners.engine.executor import EngineLimits, ScheduledChunk
 from runners.errors import RunnerInputError
 from runners.layout import CacheLayout
 from runners.modes import CUDAGraphMode
-
-if TYPE_CHECKING:
-    from dsv4.model import DeepseekV4ForCausalLM
-    from runners.resolution import Resolution
 
 __all__ = ["ModelRunner"]
 
@@ -73,13 +75,16 @@ class ModelRunner(abc.ABC):
         *,
         platform: Platform,
         layout: CacheLayout,
+        eager_region: EagerRegionStrategy,
         decode_mode: CUDAGraphMode = CUDAGraphMode.FULL,
         mixed_mode: CUDAGraphMode = CUDAGraphMode.PIECEWISE,
         capture_sizes: Iterable[int] = DEFAULT_CAPTURE_SIZES,
         max_num_tokens: int = 256,
         audit: AuditMode = "raise",
     ) -> None:
-        """``audit``: ``"raise"`` at an unstable captured read, ``"report"`` it, or ``"off"``."""
+        """``eager_region``: the strategy every attention layer composes its region with under
+        this runner (``build_runner`` passes the resolved one). ``audit``: ``"raise"`` at an
+        unstable captured read, ``"report"`` it, or ``"off"``."""
         for kind, mode in (("decode", decode_mode), ("mixed", mixed_mode)):
             if not mode.is_basic:
                 raise ValueError(f"the {kind} mode must be NONE, PIECEWISE or FULL, not {mode}")
@@ -90,12 +95,21 @@ class ModelRunner(abc.ABC):
         self.device = platform.device
         self.model = model
         self.layout = layout
+        self.eager_region = eager_region
         self.decode_mode = decode_mode
         self.mixed_mode = mixed_mode
         self.max_num_tokens = max_num_tokens
         self.capture_sizes = CaptureSizes.of(capture_sizes, max_num_tokens=max_num_tokens)
         self.audit: AuditMode = audit
         self.vocab_size: int = model.config.vocab_size
+        self.limits = EngineLimits(
+            max_rows=layout.max_rows,
+            max_num_tokens=max_num_tokens,
+            num_blocks=layout.num_blocks,
+            block_size=layout.block_size,
+            max_blocks_per_row=layout.max_blocks_per_row,
+            vocab_size=self.vocab_size,
+        )
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, device=self.device)
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=self.device)
         self.kv_caches = allocate_kv_caches(
@@ -105,7 +119,6 @@ class ModelRunner(abc.ABC):
             device=self.device,
             dtype=next(model.parameters()).dtype,
         )
-        model.bind_kv_caches(self.kv_caches)
         self.static_memory = static_memory(
             model,
             inputs={"input_ids": self.input_ids, "positions": self.positions},
@@ -114,34 +127,6 @@ class ModelRunner(abc.ABC):
         )
         self._backend = platform.graph_backend()
         self._graphs: dict[GraphKey, CapturedGraph] = {}
-
-    @classmethod
-    def from_resolution(
-        cls,
-        resolution: Resolution,
-        model: DeepseekV4ForCausalLM,
-        *,
-        layout: CacheLayout,
-        capture_sizes: Iterable[int] = DEFAULT_CAPTURE_SIZES,
-        max_num_tokens: int = 256,
-        audit: AuditMode = "raise",
-    ) -> ModelRunner:
-        """The resolved runner class over ``model``, recomposed with the resolved eager region."""
-        if not issubclass(resolution.runner, cls):
-            raise TypeError(
-                f"the resolution chose {resolution.runner.__name__}, not {cls.__name__}"
-            )
-        model.set_eager_region(resolution.eager_region)
-        return resolution.runner(
-            model,
-            platform=resolution.platform,
-            layout=layout,
-            decode_mode=resolution.decode_mode,
-            mixed_mode=resolution.mixed_mode,
-            capture_sizes=capture_sizes,
-            max_num_tokens=max_num_tokens,
-            audit=audit,
-        )
 
     # -- subclass hooks --------------------------------------------------------------------------
     @abc.abstractmethod
@@ -169,11 +154,7 @@ class ModelRunner(abc.ABC):
         flat = [t for ids in token_ids for t in ids]
         stage_into(self.input_ids[:num_tokens], torch.tensor(flat, dtype=torch.int64))
         self.input_ids[num_tokens:padded].zero_()
-        ctx = ForwardContext(
-            attn_metadata=self._write_metadata(chunks, padded),
-            batch_descriptor=BatchDescriptor(num_tokens=padded, uniform_decode=uniform),
-            runtime_mode=mode,
-        )
+        ctx = self._context(self._write_metadata(chunks, padded))
         ends = torch.empty(len(chunks), dtype=torch.int64, device=self.device)
         stage_into(ends, torch.tensor(_last_token_indices(chunks), dtype=torch.int64))
         with forward_context(ctx), torch.inference_mode():
@@ -228,31 +209,20 @@ class ModelRunner(abc.ABC):
         """Every finding of the captures so far (collected when ``audit == "report"``)."""
         return tuple(f for g in self._graphs.values() for f in g.audit)
 
-    # The sizes the engine's ``StepExecutor`` protocol reads.
-    @property
-    def max_rows(self) -> int:
-        return self.layout.max_rows
-
-    @property
-    def num_blocks(self) -> int:
-        return self.layout.num_blocks
-
-    @property
-    def block_size(self) -> int:
-        return self.layout.block_size
-
-    @property
-    def max_blocks_per_row(self) -> int:
-        return self.layout.max_blocks_per_row
-
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(platform={self.platform.name}, decode={self.decode_mode.name}, "
-            f"mixed={self.mixed_mode.name}, sizes={self.capture_sizes.sizes}, "
-            f"captured={len(self._graphs)})"
+            f"mixed={self.mixed_mode.name}, region={self.eager_region}, "
+            f"sizes={self.capture_sizes.sizes}, captured={len(self._graphs)})"
         )
 
     # -- internals -------------------------------------------------------------------------------
+    def _context(self, metadata: AttentionMetadata) -> ForwardContext:
+        """The forward context of one step (or capture) with ``metadata``."""
+        return ForwardContext(
+            attn_metadata=metadata, kv_caches=self.kv_caches, eager_region=self.eager_region
+        )
+
     def _graph(self, mode: CUDAGraphMode, size: int) -> CapturedGraph:
         """The graph for (``mode``, ``size``); captured now if missing, after every missing
         larger size of ``mode`` (largest first, so smaller graphs reuse their pool memory)."""
@@ -272,7 +242,7 @@ class ModelRunner(abc.ABC):
             mode=mode,
             input_ids=self.input_ids[:size],
             positions=self.positions[:size],
-            dummy_metadata=lambda: self._write_metadata((), size),
+            dummy_context=lambda: self._context(self._write_metadata((), size)),
             backend=self._backend,
             static=self.static_memory,
             audit=self.audit,

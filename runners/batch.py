@@ -1,4 +1,4 @@
-"""Batch descriptors, capture sizes and padding: the dispatch keys of captured graphs.
+"""Capture sizes and padding: with the graph mode, the dispatch keys of captured graphs.
 
 Invariants:
 - A captured graph is keyed by its basic graph mode and its padded token count; a FULL graph
@@ -18,17 +18,9 @@ import attrs
 
 from runners.errors import CaptureSizeError
 
-__all__ = ["DEFAULT_CAPTURE_SIZES", "BatchDescriptor", "CaptureSizes"]
+__all__ = ["DEFAULT_CAPTURE_SIZES", "CaptureSizes"]
 
 DEFAULT_CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
-
-
-@attrs.frozen(kw_only=True)
-class BatchDescriptor:
-    """What dispatch knows about a step: its padded token count and whether it is uniform decode."""
-
-    num_tokens: int
-    uniform_decode: bool
 
 
 @attrs.frozen

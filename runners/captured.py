@@ -1,9 +1,10 @@
 """One captured step, and the static memory a runner declares to the capture audit.
 
 Invariants:
-- A step is captured with *dummy* metadata — every token is padding (slot -1), so the capture
-  writes nothing into the KV caches — built under an ``AllocationTracker``, so an audit finding
-  about a metadata tensor names the line that allocated it.
+- A step is captured under a forward context with *dummy* metadata — every token is padding
+  (slot -1), so the capture writes nothing into the KV caches — built under an
+  ``AllocationTracker``, so an audit finding about a metadata tensor names the line that
+  allocated it. The context carries the runner's caches and eager region, as every step's does.
 - The static memory of a runner is its input buffers, its KV caches, its persistent metadata (V2
   only) and every parameter and buffer of the model, each registered under a readable name.
 - The step runs once eagerly first, through ``backend.warm_up`` (on CUDA on the capture stream,
@@ -26,7 +27,6 @@ from graphs.backend import GraphBackend
 from graphs.capture import BreakableCapture
 from graphs.forward_context import ForwardContext, forward_context
 from graphs.static_memory import StaticMemory
-from runners.batch import BatchDescriptor
 from runners.modes import CUDAGraphMode
 
 __all__ = ["CapturedGraph", "capture_step", "static_memory"]
@@ -68,27 +68,21 @@ def capture_step(
     mode: CUDAGraphMode,
     input_ids: torch.Tensor,
     positions: torch.Tensor,
-    dummy_metadata: Callable[[], object],
+    dummy_context: Callable[[], ForwardContext],
     backend: GraphBackend,
     static: StaticMemory,
     audit: AuditMode,
 ) -> CapturedGraph:
     """Capture ``model(input_ids, positions)`` under ``mode`` with dummy metadata.
 
-    ``dummy_metadata`` fills the positions and returns all-padding metadata.
+    ``dummy_context`` fills the positions and returns the step's context with all-padding
+    metadata.
     """
     size = int(input_ids.shape[0])
     input_ids.zero_()
     tracker = AllocationTracker()
     with tracker:
-        metadata = dummy_metadata()
-    ctx = ForwardContext(
-        attn_metadata=metadata,
-        batch_descriptor=BatchDescriptor(
-            num_tokens=size, uniform_decode=mode is CUDAGraphMode.FULL
-        ),
-        runtime_mode=mode,
-    )
+        ctx = dummy_context()
     with forward_context(ctx), torch.inference_mode():
         backend.warm_up(lambda: model(input_ids, positions))
         with BreakableCapture(

@@ -2,28 +2,30 @@
 
 ``EngineSpec`` is what a user chooses (checkpoint, platform, runner, mode, region, sizes);
 ``build_engine`` turns it into an ``Engine`` — the resolved policy, the runner executing it and
-the ``LLM`` driving the runner. The CLI, the cross-strategy property suite and the platform
+the ``LLM`` driving the runner. ``build_runner`` is its middle step: the runner a resolution
+chose, over a given model. The CLI, the cross-strategy property suite and the platform
 conformance kit all build engines this way, so they exercise exactly what users run.
 
 Invariants:
 - The resolution is computed before anything is allocated: a refused region, an unknown name or
   a checkpoint of an architecture this library does not implement fails fast, with nothing
   half-built.
-- A model may be shared by several engines built one after another (``build_engine(spec,
-  model=...)``): each runner rebinds its own caches and recomposes the eager region, so the engine
-  built last is the one that may run.
+- Building changes nothing in the model but its device (``build_engine`` moves it to the
+  platform's): each runner owns its caches and eager region and hands them to the model in every
+  step's forward context. So a model may be shared by several engines on one device
+  (``build_engine(spec, model=...)``), which may run in turn in any order.
 """
 
 from __future__ import annotations
 
-import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import attrs
 
 from dsv4 import DeepseekV4Config, DeepseekV4ForCausalLM, load_checkpoint
 from dsv4.config import ARCHITECTURE
-from dsv4.hf_config import architecture_of as config_architecture
+from dsv4.hf_config import checkpoint_architecture
 from dsv4.weights import randomize_
 from graphs.audit import AuditMode
 from platforms import Platform, current_platform, get_platform, simulate
@@ -40,6 +42,7 @@ __all__ = [
     "architecture_of",
     "build_engine",
     "build_model",
+    "build_runner",
     "resolve_platform",
     "resolve_spec",
 ]
@@ -105,13 +108,7 @@ def architecture_of(spec: EngineSpec) -> str:
     before anything is resolved or loaded; an unreadable config is left for ``load_checkpoint``
     to report.
     """
-    if spec.checkpoint is None:
-        return ARCHITECTURE
-    try:
-        raw = json.loads((Path(spec.checkpoint) / "config.json").read_text())
-    except (OSError, ValueError):
-        return ARCHITECTURE
-    return config_architecture(raw) if isinstance(raw, dict) else ARCHITECTURE
+    return ARCHITECTURE if spec.checkpoint is None else checkpoint_architecture(spec.checkpoint)
 
 
 def resolve_spec(spec: EngineSpec) -> Resolution:
@@ -133,7 +130,7 @@ def build_engine(spec: EngineSpec, *, model: DeepseekV4ForCausalLM | None = None
     platform.require_available()
     if model is None:
         model = build_model(spec)
-    runner = ModelRunner.from_resolution(
+    runner = build_runner(
         resolution,
         model.to(platform.device),
         layout=spec.layout,
@@ -142,3 +139,27 @@ def build_engine(spec: EngineSpec, *, model: DeepseekV4ForCausalLM | None = None
         audit=spec.audit,
     )
     return Engine(resolution=resolution, runner=runner, llm=LLM(runner))
+
+
+def build_runner(
+    resolution: Resolution,
+    model: DeepseekV4ForCausalLM,
+    *,
+    layout: CacheLayout,
+    capture_sizes: Iterable[int] = DEFAULT_CAPTURE_SIZES,
+    max_num_tokens: int = 256,
+    audit: AuditMode = "raise",
+) -> ModelRunner:
+    """The runner class ``resolution`` chose, over ``model``, with the resolved graph modes and
+    eager region (the model itself is not changed)."""
+    return resolution.runner(
+        model,
+        platform=resolution.platform,
+        layout=layout,
+        eager_region=resolution.eager_region,
+        decode_mode=resolution.decode_mode,
+        mixed_mode=resolution.mixed_mode,
+        capture_sizes=capture_sizes,
+        max_num_tokens=max_num_tokens,
+        audit=audit,
+    )

@@ -14,9 +14,10 @@ from typing import ClassVar
 
 import torch
 
-from dsv4.metadata import AttentionMetadata, ScheduledChunk, new_metadata
+from dsv4.metadata import AttentionMetadata, new_metadata
 from graphs.strategies import EagerRegionStrategy, WideRegion
 from runners.base import ModelRunner
+from runners.engine.executor import ScheduledChunk
 
 __all__ = ["ModelRunnerV1"]
 

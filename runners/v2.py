@@ -14,9 +14,10 @@ from typing import ClassVar
 
 import torch
 
-from dsv4.metadata import AttentionMetadata, MetadataBuffers, ScheduledChunk
+from dsv4.metadata import AttentionMetadata, MetadataBuffers
 from graphs.strategies import EagerRegionStrategy, FullGraph
 from runners.base import ModelRunner
+from runners.engine.executor import ScheduledChunk
 
 __all__ = ["ModelRunnerV2"]
 

@@ -1,4 +1,4 @@
-"""Shared test configuration: hypothesis profiles and the `cuda` marker.
+"""Shared test configuration: hypothesis profiles, the `cuda` marker and one torch thread.
 
 Profiles (choose with ``HYPOTHESIS_PROFILE``):
 - ``dev``: few examples, fast feedback while editing.
@@ -9,6 +9,7 @@ Profiles (choose with ``HYPOTHESIS_PROFILE``):
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -39,3 +40,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """Torch on one CPU thread for every test module, restored after it: eager steps, captures
+    and replays then split work alike (the references the tests compare with are computed the
+    same way), and tiny models run fastest so. Module-scoped, so it is in force before the
+    module-scoped fixtures that build models and reference outputs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -1,6 +1,10 @@
 """Write a random DeepSeek-V4 checkpoint in Hugging Face layout (config.json + safetensors).
 
 Example: dsv4 init-checkpoint ./tiny-ckpt --preset tiny --seed 0
+
+It also writes a small byte-level BPE tokenizer for the preset's vocabulary (tokenizer.json, and
+tokenizer_config.json with BOS/EOS and a chat template), so --prompt TEXT, --chat and the decoded
+text of 'dsv4 run' work on it; transformers' AutoTokenizer loads it too.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv4 import save_random_checkpoint
+from dsv4.toy_tokenizer import save_toy_tokenizer
 from runners.cli.errors import UsageError
 from runners.cli.presets import PRESETS, preset_config
 
@@ -39,6 +44,7 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(f"{directory} already holds a checkpoint; pass --force to overwrite it")
     directory.mkdir(parents=True, exist_ok=True)
     save_random_checkpoint(directory, config, seed=args.seed)
+    save_toy_tokenizer(directory, config)
     files = sorted(p.name for p in directory.iterdir() if p.is_file())
     return {
         "directory": str(directory),

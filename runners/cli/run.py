@@ -4,32 +4,44 @@ Examples:
   dsv4 run --prompt "Hello" --max-new-tokens 16
   dsv4 run --checkpoint ./ckpt --prompt-ids 1,2,3 --prompt-ids 4,5 --runner v1
   dsv4 run --platform rocm --simulate --json     # ROCm's policy, run on the CPU tape
-Prompts given with --prompt are tokenised byte-level (vocabularies of 256 tokens or more).
+  dsv4 run --checkpoint ./ckpt --chat --prompt "Hello"   # through the chat template
+
+--prompt TEXT is encoded by the checkpoint's tokenizer.json (special tokens as its
+tokenizer_config.json says) and each output is decoded to text; without one (the built-in model),
+text is byte-level (vocabularies of 256 tokens or more). On a terminal the text is printed as it
+is generated. Generation stops at any id of eos_token_id in config.json or generation_config.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from dsv4.generation_config import stop_token_ids
+from dsv4.tokenizer import CheckpointTokenizer
 from runners.cli.errors import UsageError
-from runners.cli.options import (
-    add_model_options,
-    add_policy_options,
-    parse_prompts,
-    parse_token_ids,
-)
+from runners.cli.options import add_model_options, add_policy_options, parse_token_ids
 from runners.cli.progress import Progress
+from runners.cli.prompts import (
+    byte_level_text,
+    check_prompt_flags,
+    encode_prompts,
+    load_tokenizer,
+)
+from runners.cli.streaming import StreamPrinter, generate_streaming
 from runners.cli.values import at_least, non_negative_float, probability
 from runners.engine import (
     InvalidRequestError,
     RequestFailedError,
+    RequestOutput,
     RequestTooLongError,
     SamplingParams,
 )
-from runners.spec import EngineSpec, build_engine
+from runners.spec import Engine, EngineSpec, build_engine
 from runners.threads import apply_threads
 
 __all__ = ["add_arguments", "execute", "exit_code", "render"]
@@ -45,7 +57,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a prompt as comma-separated token ids (repeatable)",
     )
     prompts.add_argument(
-        "--prompt", action="append", metavar="TEXT", help="a prompt as text (repeatable)"
+        "--prompt",
+        action="append",
+        metavar="TEXT",
+        help="a prompt as text (repeatable): the checkpoint's tokenizer encodes it, else bytes",
+    )
+    prompts.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap each --prompt TEXT as a user message in the checkpoint's chat template",
     )
     prompts.add_argument("--max-new-tokens", type=at_least(1), default=16, help="default: 16")
     prompts.add_argument(
@@ -60,7 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prompts.add_argument("--top-p", type=probability, default=1.0, help="1.0 (default) is off")
     prompts.add_argument("--seed", type=int, default=None, help="sampling seed")
     prompts.add_argument(
-        "--ignore-eos", action="store_true", help="keep generating after the EOS token"
+        "--ignore-eos",
+        action="store_true",
+        help="keep generating after an EOS token (eos_token_id of config.json and "
+        "generation_config.json)",
     )
     add_model_options(parser)
     add_policy_options(parser, platform_required=False)
@@ -84,25 +107,22 @@ def spec_from_args(args: argparse.Namespace) -> Any:
 
 
 def execute(args: argparse.Namespace) -> dict[str, Any]:
-    prompts, from_text = parse_prompts(args.prompt_ids, args.prompt)
+    """Run the prompts; bad flags and a broken tokenizer fail before the model is loaded."""
+    check_prompt_flags(args.prompt_ids, args.prompt, chat=args.chat)
+    checkpoint = Path(args.checkpoint) if args.checkpoint else None
+    tokenizer = load_tokenizer(checkpoint, chat=args.chat)
+    prompts = encode_prompts(args.prompt_ids, args.prompt, tokenizer, chat=args.chat)
+    byte_level = bool(args.prompt) and tokenizer is None
     progress = Progress.for_terminal(json_output=args.json)
     progress.update("loading model")
     engine = build_engine(spec_from_args(args))
     threads = apply_threads(args.threads, engine.runner.model.config.hidden_size)
     vocab = engine.runner.vocab_size
-    if from_text and vocab < 256:
+    if byte_level and vocab < 256:
         raise UsageError(
             f"--prompt needs a byte-level vocabulary (>= 256 tokens); this has {vocab}"
         )
-    eos = None if args.ignore_eos else engine.runner.model.config.eos_token_id
-    params = SamplingParams(
-        max_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        eos_token_id=eos,
-    )
+    params = _sampling_params(args, engine, checkpoint)
     for prompt in prompts:
         try:
             engine.llm.check(prompt, params)
@@ -117,15 +137,20 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
     )
     capture_s = time.perf_counter() - start
     progress.done(f"captured {len(engine.runner.captured)} graphs in {capture_s:.2f}s")
+    decode = _decoder(tokenizer, byte_level)
+    stream = decode if decode is not None and not args.json and sys.stdout.isatty() else None
     start = time.perf_counter()
     try:
-        outputs = engine.llm.generate(
-            prompts,
-            params,
-            progress=lambda p: progress.update(
-                f"generating: {p.finished}/{p.total} requests, {p.generated_tokens} tokens"
-            ),
-        )
+        if stream is not None:
+            outputs = _generate_streaming(engine, prompts, params, stream)
+        else:
+            outputs = engine.llm.generate(
+                prompts,
+                params,
+                progress=lambda p: progress.update(
+                    f"generating: {p.finished}/{p.total} requests, {p.generated_tokens} tokens"
+                ),
+            )
     except RequestFailedError as failure:
         outputs = failure.outputs  # the others ran to completion: report them all
     generate_s = time.perf_counter() - start
@@ -136,6 +161,7 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
         {
             "prompt_ids": list(o.prompt_ids),
             "output_ids": list(o.output_ids),
+            **({"text": tokenizer.decode(o.output_ids)} if tokenizer is not None else {}),
             "finish_reason": o.finish_reason.value,
             **({"error": o.error} if o.error is not None else {}),
         }
@@ -154,9 +180,56 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
         "generated_tokens": generated,
         "tokens_per_s": round(generated / generate_s, 3) if generate_s > 0 else None,
     }
-    payload["byte_level"] = from_text
+    payload["byte_level"] = byte_level
     payload["threads"] = threads
+    if stream is not None:
+        payload["streamed"] = True  # human output only (never with --json): text already shown
     return payload
+
+
+def _sampling_params(
+    args: argparse.Namespace, engine: Engine, checkpoint: Path | None
+) -> SamplingParams:
+    """The flags' sampling, stopping at every EOS id of the checkpoint (unless --ignore-eos):
+    the first is ``eos_token_id``, the others ``stop_token_ids``."""
+    if args.ignore_eos:
+        eos: tuple[int, ...] = ()
+    else:
+        config_eos = engine.runner.model.config.eos_token_id
+        eos = stop_token_ids(config_eos, checkpoint, vocab_size=engine.runner.vocab_size)
+    return SamplingParams(
+        max_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        eos_token_id=eos[0] if eos else None,
+        stop_token_ids=eos[1:],
+    )
+
+
+def _decoder(
+    tokenizer: CheckpointTokenizer | None, byte_level: bool
+) -> Callable[[Sequence[int]], str] | None:
+    """How output ids become text: the tokenizer's, bytes for text prompts without one, or
+    None (no text to show)."""
+    if tokenizer is not None:
+        return tokenizer.decode
+    return byte_level_text if byte_level else None
+
+
+def _generate_streaming(
+    engine: Engine,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    decode: Callable[[Sequence[int]], str],
+) -> list[RequestOutput]:
+    """Generate while printing each request's text on stdout as its tokens arrive."""
+    printer = StreamPrinter(len(prompts), decode, sys.stdout)
+    try:
+        return generate_streaming(engine.llm, prompts, params, printer.update)
+    finally:
+        printer.close_line()
 
 
 def _flags_of(refused: Exception) -> str:
@@ -168,10 +241,6 @@ def _flags_of(refused: Exception) -> str:
 def exit_code(payload: dict[str, Any]) -> int:
     """1 when any request failed (its output says why; the others are reported as usual)."""
     return 1 if payload["failed_requests"] else 0
-
-
-def _text(ids: list[int]) -> str:
-    return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
 def render(payload: dict[str, Any]) -> str:
@@ -190,8 +259,13 @@ def render(payload: dict[str, Any]) -> str:
         lines.append(f"    output {out['output_ids']} ({out['finish_reason']})")
         if "error" in out:
             lines.append(f"    error  {out['error']}")
-        if payload["byte_level"]:
-            lines.append(f"    text   {_text(out['prompt_ids'])!r} -> {_text(out['output_ids'])!r}")
+        if payload.get("streamed"):
+            continue  # its text was printed while it was generated
+        if "text" in out:
+            lines.append(f"    text   {out['text']!r}")
+        elif payload["byte_level"]:
+            prompt, output = byte_level_text(out["prompt_ids"]), byte_level_text(out["output_ids"])
+            lines.append(f"    text   {prompt!r} -> {output!r}")
     lines.append(
         f"timing: capture {timing['capture_s']:.3f}s, generate {timing['generate_s']:.3f}s, "
         f"{timing['tokens_per_s']} tokens/s"

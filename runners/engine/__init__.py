@@ -1,7 +1,8 @@
 """The engine: requests, sampling, continuous batching with chunked prefill, KV block bookkeeping.
 
-Host-side only: it talks to the model through the ``StepExecutor`` protocol (``executor``), which a
-``ModelRunner`` satisfies.
+Host-side only (it imports nothing of ``dsv4``): it talks to the model through the
+``StepExecutor`` protocol (``executor``: ``ScheduledChunk``s in, logits out, ``EngineLimits`` to
+schedule within), which a ``ModelRunner`` satisfies.
 """
 
 from runners.engine.block_pool import BlockPool
@@ -10,19 +11,19 @@ from runners.engine.errors import (
     EngineError,
     ExecutorError,
     InvalidRequestError,
-    RequestFailedError,
     RequestTooLongError,
 )
-from runners.engine.executor import StepExecutor
+from runners.engine.executor import EngineLimits, ScheduledChunk, StepExecutor
 from runners.engine.llm import LLM, EngineStats, GenerateProgress
 from runners.engine.params import SamplingParams
-from runners.engine.request import FinishReason, RequestOutput
+from runners.engine.request import FinishReason, RequestFailedError, RequestOutput
 
 __all__ = [
     "LLM",
     "BlockPool",
     "EngineConfigError",
     "EngineError",
+    "EngineLimits",
     "EngineStats",
     "ExecutorError",
     "FinishReason",
@@ -32,5 +33,6 @@ __all__ = [
     "RequestOutput",
     "RequestTooLongError",
     "SamplingParams",
+    "ScheduledChunk",
     "StepExecutor",
 ]

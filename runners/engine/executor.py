@@ -1,11 +1,13 @@
 """The seam between the engine (host-side scheduling and sampling) and whatever runs the model.
 
-The engine never touches tensors of the model or the cache; it hands an executor one step of work
-as ``ScheduledChunk``s plus their token ids and gets back one row of logits per chunk. A
-``ModelRunner`` satisfies this protocol; so does the deterministic reference executor of the
-engine tests.
+Three things cross it: the engine hands an executor one step of work as ``ScheduledChunk``s plus
+their token ids and gets back one row of logits per chunk; the executor tells the engine its
+``EngineLimits`` once. The engine never touches tensors of the model or the cache. A
+``ModelRunner`` satisfies ``StepExecutor``; so do the recording executor of ``runners.measure``
+and the deterministic reference executor of the engine tests.
 
-Contract, for every ``execute(chunks, token_ids)`` call the engine makes:
+Contract, for every ``execute(chunks, token_ids)`` call the engine makes (``limits`` being the
+executor's ``EngineLimits``):
 - ``1 <= len(chunks) <= max_rows``; rows are distinct and in ``0 .. max_rows-1``; a row is held by
   one live request from its first chunk to its last (the executor may keep per-row state).
 - ``len(token_ids[i]) == chunks[i].num_tokens``; every id is in ``0 .. vocab_size-1``; the total
@@ -24,41 +26,64 @@ Contract, for every ``execute(chunks, token_ids)`` call the engine makes:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
+import attrs
 import torch
 from typing_extensions import Protocol
 
-from dsv4.metadata import ScheduledChunk
+from runners.engine.errors import EngineConfigError
 
-__all__ = ["StepExecutor"]
+__all__ = ["EngineLimits", "ScheduledChunk", "StepExecutor"]
+
+
+@attrs.frozen(kw_only=True)
+class ScheduledChunk:
+    """Host-side description of one request's tokens in this step."""
+
+    row: int
+    """Block-table row that holds this request (stable while the request lives)."""
+    block_ids: tuple[int, ...]
+    """Cache blocks owned by the request, in order; must cover every position written."""
+    start_position: int
+    """Position of the first token of this chunk (= tokens already in the cache)."""
+    num_tokens: int = attrs.field(validator=attrs.validators.gt(0))
+
+
+def _positive(_: Any, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise EngineConfigError(f"EngineLimits.{attribute.name} must be an int >= 1, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class EngineLimits:
+    """What an executor can take: the sizes the engine schedules within (each an int >= 1)."""
+
+    max_rows: int = attrs.field(validator=_positive)
+    """Block-table rows, i.e. the most requests alive in the cache at once."""
+    max_num_tokens: int = attrs.field(validator=_positive)
+    """The most tokens (summed over chunks) one ``execute`` call accepts."""
+    num_blocks: int = attrs.field(validator=_positive)
+    """KV-cache blocks in total, ids ``0 .. num_blocks-1``."""
+    block_size: int = attrs.field(validator=_positive)
+    """Tokens per KV-cache block."""
+    max_blocks_per_row: int = attrs.field(validator=_positive)
+    """Blocks one row can address."""
+    vocab_size: int = attrs.field(validator=_positive)
+    """Size of the vocabulary (the width of the logits)."""
+
+    @property
+    def max_context(self) -> int:
+        """The longest request, in tokens."""
+        return self.max_blocks_per_row * self.block_size
 
 
 class StepExecutor(Protocol):
     """Runs one step of scheduled chunks and returns the logits of each chunk's last token."""
 
     @property
-    def max_rows(self) -> int:
-        """Block-table rows, i.e. the most requests alive in the cache at once."""
-
-    @property
-    def max_num_tokens(self) -> int:
-        """The most tokens (summed over chunks) one ``execute`` call accepts."""
-
-    @property
-    def num_blocks(self) -> int:
-        """KV-cache blocks in total, ids ``0 .. num_blocks-1``."""
-
-    @property
-    def block_size(self) -> int:
-        """Tokens per KV-cache block."""
-
-    @property
-    def max_blocks_per_row(self) -> int:
-        """Blocks one row can address; ``max_blocks_per_row * block_size`` is the max context."""
-
-    @property
-    def vocab_size(self) -> int:
-        """Size of the vocabulary (the width of the logits)."""
+    def limits(self) -> EngineLimits:
+        """The sizes the engine must stay within (read once, when an engine is built)."""
 
     def execute(
         self, chunks: Sequence[ScheduledChunk], token_ids: Sequence[Sequence[int]]

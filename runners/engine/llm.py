@@ -36,25 +36,15 @@ from runners.engine.errors import (
     EngineConfigError,
     ExecutorError,
     InvalidRequestError,
-    RequestFailedError,
     RequestTooLongError,
 )
 from runners.engine.executor import StepExecutor
 from runners.engine.params import SamplingParams
-from runners.engine.request import FinishReason, Request, RequestOutput
+from runners.engine.request import FinishReason, Request, RequestFailedError, RequestOutput
 from runners.engine.sampling import sample, seeded_generator
 from runners.engine.scheduler import Scheduler
 
 __all__ = ["LLM", "EngineStats", "GenerateProgress"]
-
-_EXECUTOR_SIZES = (
-    "max_rows",
-    "max_num_tokens",
-    "num_blocks",
-    "block_size",
-    "max_blocks_per_row",
-    "vocab_size",
-)
 
 
 @attrs.frozen(kw_only=True)
@@ -95,27 +85,22 @@ class LLM:
         self, executor: StepExecutor, *, max_num_batched_tokens: int | None = None
     ) -> None:
         """``max_num_batched_tokens``: the token budget of one step (default and upper bound:
-        ``executor.max_num_tokens``)."""
+        the executor's ``limits.max_num_tokens``)."""
         self.executor = executor
-        for name in _EXECUTOR_SIZES:
-            value = getattr(executor, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise EngineConfigError(f"executor.{name} must be an int >= 1, got {value!r}")
-        budget = (
-            executor.max_num_tokens if max_num_batched_tokens is None else max_num_batched_tokens
-        )
-        if not 1 <= budget <= executor.max_num_tokens:
+        limits = executor.limits
+        budget = limits.max_num_tokens if max_num_batched_tokens is None else max_num_batched_tokens
+        if not 1 <= budget <= limits.max_num_tokens:
             raise EngineConfigError(
-                f"max_num_batched_tokens must be in [1, {executor.max_num_tokens}] "
+                f"max_num_batched_tokens must be in [1, {limits.max_num_tokens}] "
                 f"(the executor's max_num_tokens), got {budget}"
             )
-        self.vocab_size = executor.vocab_size
-        self.block_size = executor.block_size
-        self.max_context = executor.max_blocks_per_row * executor.block_size
+        self.vocab_size = limits.vocab_size
+        self.block_size = limits.block_size
+        self.max_context = limits.max_context
         self.scheduler = Scheduler(
-            max_rows=executor.max_rows,
-            num_blocks=executor.num_blocks,
-            block_size=executor.block_size,
+            max_rows=limits.max_rows,
+            num_blocks=limits.num_blocks,
+            block_size=limits.block_size,
             token_budget=budget,
         )
         self._ids = itertools.count()

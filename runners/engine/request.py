@@ -12,13 +12,15 @@ KV is in the cache; the rest are fed in the next chunks. The invariants the sche
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 
 import attrs
 import torch
 
+from runners.engine.errors import EngineError
 from runners.engine.params import SamplingParams
 
-__all__ = ["FinishReason", "Request", "RequestOutput"]
+__all__ = ["FinishReason", "Request", "RequestFailedError", "RequestOutput"]
 
 
 class FinishReason(enum.Enum):
@@ -91,4 +93,21 @@ class Request:
             output_ids=tuple(self.token_ids[self.prompt_len :]),
             finish_reason=reason,
             error=error,
+        )
+
+
+class RequestFailedError(EngineError, RuntimeError):
+    """Requests of one ``LLM.generate`` call failed: their next token could not be sampled (the
+    model gave NaN or inf logits, say). Raised once every request of the call has finished, so
+    the others ran to completion: ``outputs`` holds all of them in prompt order, the failed ones
+    with ``FinishReason.ERROR`` and their ``error``; ``failed`` holds only those."""
+
+    def __init__(self, outputs: Sequence[RequestOutput]) -> None:
+        self.outputs = list(outputs)
+        self.failed = [o for o in self.outputs if o.error is not None]
+        more = f" (and {len(self.failed) - 1} more)" if len(self.failed) > 1 else ""
+        finished = len(self.outputs) - len(self.failed)
+        super().__init__(
+            f"{self.failed[0].error}{more}; {finished} of the call's {len(self.outputs)} "
+            "requests finished normally"
         )

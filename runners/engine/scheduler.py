@@ -30,8 +30,8 @@ from collections.abc import Sequence
 
 import attrs
 
-from dsv4.metadata import ScheduledChunk
 from runners.engine.block_pool import BlockPool
+from runners.engine.executor import ScheduledChunk
 from runners.engine.request import FinishReason, Request, RequestOutput
 
 __all__ = ["ScheduledStep", "Scheduler"]

@@ -32,11 +32,10 @@ import attrs
 import torch
 
 from dsv4 import DeepseekV4ForCausalLM
-from dsv4.metadata import ScheduledChunk
 from graphs._ops import QuietDispatchMode
 from graphs._tensor_refs import WeakStorage, storage_key, tensors_of
 from runners.base import ModelRunner
-from runners.engine import SamplingParams
+from runners.engine import SamplingParams, ScheduledChunk
 from runners.spec import EngineSpec, build_engine
 
 __all__ = [
@@ -122,7 +121,7 @@ def timed(work: Callable[[], T], device: torch.device) -> tuple[T, float]:
 
 def _prefill(runner: ModelRunner, batch: int, prompt_len: int) -> list[ScheduledChunk]:
     """Prefill ``batch`` requests of ``prompt_len`` tokens; return their next decode chunks."""
-    per_row = -(-(prompt_len + 1) // runner.block_size)
+    per_row = -(-(prompt_len + 1) // runner.layout.block_size)
     decode = []
     for row in range(batch):
         blocks = tuple(range(row * per_row, (row + 1) * per_row))
@@ -230,12 +229,12 @@ class _PeakLiveBytes(QuietDispatchMode):
 def eager_step_peak_bytes(runner: ModelRunner, num_tokens: int) -> int:
     """Peak live bytes allocated by one eager step of ``num_tokens`` prompt tokens on ``runner``
     (whose graph mode should be ``NONE``), rows of at most one block table's reach each."""
-    per_row = min(num_tokens, runner.block_size * runner.max_blocks_per_row - 1)
+    per_row = min(num_tokens, runner.layout.block_size * runner.layout.max_blocks_per_row - 1)
     chunks, ids = [], []
     for row, start in enumerate(range(0, num_tokens, per_row)):
         count = min(per_row, num_tokens - start)
         blocks = tuple(
-            range(row * runner.max_blocks_per_row, (row + 1) * runner.max_blocks_per_row)
+            range(row * runner.layout.max_blocks_per_row, (row + 1) * runner.layout.max_blocks_per_row)
         )
         chunks.append(ScheduledChunk(row=row, block_ids=blocks, start_position=0, num_tokens=count))
         ids.append([(3 * i + row) % runner.vocab_size for i in range(count)])

@@ -26,10 +26,9 @@ import attrs
 import torch
 
 from dsv4 import DeepseekV4ForCausalLM
-from dsv4.metadata import ScheduledChunk
 from graphs.errors import CaptureAuditError
 from runners.base import ModelRunner
-from runners.engine import LLM, SamplingParams
+from runners.engine import LLM, EngineLimits, SamplingParams, ScheduledChunk
 from runners.errors import ResolutionError
 from runners.resolution import Resolution
 from runners.spec import EngineSpec, build_engine
@@ -88,35 +87,16 @@ class Status(enum.Enum):
 
 
 class RecordingExecutor:
-    """Wraps a runner as a ``StepExecutor`` and records every step's key and logits."""
+    """Wraps a runner as a ``StepExecutor`` and records every step's key (row, start, tokens of
+    each chunk) and a copy of its logits."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.steps: list[tuple[StepKey, torch.Tensor]] = []
 
     @property
-    def max_rows(self) -> int:
-        return self.runner.max_rows
-
-    @property
-    def max_num_tokens(self) -> int:
-        return self.runner.max_num_tokens
-
-    @property
-    def num_blocks(self) -> int:
-        return self.runner.num_blocks
-
-    @property
-    def block_size(self) -> int:
-        return self.runner.block_size
-
-    @property
-    def max_blocks_per_row(self) -> int:
-        return self.runner.max_blocks_per_row
-
-    @property
-    def vocab_size(self) -> int:
-        return self.runner.vocab_size
+    def limits(self) -> EngineLimits:
+        return self.runner.limits
 
     def execute(
         self, chunks: Sequence[ScheduledChunk], token_ids: Sequence[Sequence[int]]

@@ -12,13 +12,13 @@ what a simulated run can and cannot refute). The kit carries its own hypothesis 
 from runners.testing.checks import SIMULATION_SCOPE, SimulatedRunWarning
 from runners.testing.conformance import PlatformConformanceTests
 from runners.testing.settings import kit_settings
-from runners.testing.strategies import prompt_batches, tiny_configs
+from runners.testing.strategies import configs, prompt_batches
 
 __all__ = [
     "SIMULATION_SCOPE",
     "PlatformConformanceTests",
     "SimulatedRunWarning",
+    "configs",
     "kit_settings",
     "prompt_batches",
-    "tiny_configs",
 ]

@@ -23,7 +23,7 @@ import attrs
 import torch
 
 from dsv4 import DeepseekV4Config, DeepseekV4ForCausalLM
-from dsv4.weights import randomize_
+from dsv4.testing import random_model
 from platforms.base import Platform
 from runners import CacheLayout, Resolution, SamplingParams
 from runners.measure.equivalence import Status, Trace, judge, run_trace
@@ -125,8 +125,7 @@ class Workload:
     ) -> Workload:
         """Build the model (weights from ``seed``) and run the eager reference; an eager run
         that raises is an ``AssertionError`` naming the platform."""
-        model = DeepseekV4ForCausalLM(config, device=platform.device)
-        randomize_(model, seed, num_experts=config.n_routed_experts)
+        model = random_model(config, seed, platform.device)
         frozen = tuple(tuple(p) for p in prompts)
         params = SamplingParams(max_tokens=max_new_tokens)
         spec = attrs.evolve(_spec(platform), cudagraph_mode="NONE")

@@ -30,7 +30,7 @@ from runners.testing.checks import (
     platform_label,
 )
 from runners.testing.settings import kit_settings
-from runners.testing.strategies import FIXED_PROMPTS, fixed_config, prompt_batches, tiny_configs
+from runners.testing.strategies import FIXED_PROMPTS, configs, fixed_config, prompt_batches
 
 __all__ = ["deterministic_pass", "random_search"]
 
@@ -73,7 +73,7 @@ def random_search(
 
     @kit_settings()
     @given(
-        config=tiny_configs(),
+        config=configs(),
         prompts=prompt_batches(),
         seed=st.integers(0, 2**16),
         configuration=st.sampled_from(list(configurations)),

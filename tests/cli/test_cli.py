@@ -97,11 +97,18 @@ def test_explain_v1_full_is_downgraded_with_a_reason(capsys: pytest.CaptureFixtu
 def test_init_checkpoint_then_run_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ckpt = tmp_path / "ckpt"
     made = _json(capsys, ["init-checkpoint", str(ckpt), "--preset", "tiny", "--seed", "0"])
-    assert made["files"] == ["config.json", "model.safetensors"]
+    assert made["files"] == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     prompts = ["--prompt-ids", "5,6,7", "--max-new-tokens", "4"]
     from_ckpt = _json(capsys, ["run", "--checkpoint", str(ckpt), *prompts, *FAST, *CPU])
     builtin = _json(capsys, ["run", *prompts, *FAST, *CPU])
+    texts = [o.pop("text") for o in from_ckpt["outputs"]]  # the checkpoint has a tokenizer
     assert from_ckpt["outputs"] == builtin["outputs"], "seed 0 is the built-in model's weights"
+    assert all(isinstance(text, str) for text in texts)
     code, line = _error(capsys, ["init-checkpoint", str(ckpt)])
     assert code == 2 and "--force" in line
 

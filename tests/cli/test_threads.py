@@ -12,13 +12,6 @@ from runners.cli.main import main
 from runners.threads import SINGLE_THREAD_MAX_HIDDEN, default_threads
 
 
-@pytest.fixture(autouse=True)
-def _restore_threads() -> object:
-    previous = torch.get_num_threads()
-    yield
-    torch.set_num_threads(previous)
-
-
 def _run(capsys: pytest.CaptureFixture[str], *extra: str) -> dict:
     argv = ["run", "--platform", "cpu", "--prompt-ids", "1,2", "--max-new-tokens", "1"]
     argv += ["--cudagraph-mode", "NONE"]  # the thread count, not capture, is under test

@@ -1,6 +1,7 @@
 """The attention layer's region: identical under every strategy, capturable prepare and attend.
 
-- Eagerly, one layer composed with each of the four strategies gives bitwise identical output.
+- Eagerly, one layer composed with each of the four strategies (named by the forward context)
+  gives bitwise identical output; each strategy is composed once per layer, then reused.
 - ``_prepare`` and ``_attend`` issue no op the capture legality rules refuse (host syncs,
   data-dependent output shapes, boolean-mask indexing, random ops), and the ops they issue
   (with every shape) depend only on the token count, never on metadata values: checked by
@@ -22,12 +23,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dsv4.attention import DeepseekV4Attention
 from dsv4.cache import allocate_kv_caches
 from dsv4.config import CSA, HCA, SLIDING, DeepseekV4Config
-from dsv4.metadata import ScheduledChunk, new_metadata
-from graphs import STRATEGIES, CaptureError, EagerRegionStrategy, ForwardContext, forward_context
+from dsv4.metadata import new_metadata
+from dsv4.testing import Chunk, configs, random_model
+from graphs import (
+    STRATEGIES,
+    CaptureError,
+    EagerRegionStrategy,
+    ForwardContext,
+    NoGraph,
+    forward_context,
+)
 from graphs.tape.legality import check_capturable
-from tests.dsv4.support import configs, random_model
-
-torch.set_num_threads(1)
 
 BLOCK = 4
 
@@ -35,30 +41,25 @@ BLOCK = 4
 def _run_layer(
     config: DeepseekV4Config,
     strategy: EagerRegionStrategy,
-    chunks: list[ScheduledChunk],
+    chunks: list[Chunk],
     hidden: torch.Tensor,
     layer: int,
     seed: int,
 ) -> torch.Tensor:
     """Output of attention layer ``layer`` for one step on fresh (zeroed) caches."""
-    model = random_model(config, seed)
-    model.set_eager_region(strategy)
+    attention = random_model(config, seed).attention_layers()[layer]
     caches = allocate_kv_caches(config, num_blocks=32, block_size=BLOCK)
-    model.bind_kv_caches(caches)
-    attention = model.attention_layers()[layer]
-    assert attention.strategy == strategy
     metadata, positions = new_metadata(
         chunks, num_tokens=hidden.shape[0], block_size=BLOCK, max_rows=4, max_blocks=8
     )
-    with torch.inference_mode(), forward_context(ForwardContext(attn_metadata=metadata)):
+    context = ForwardContext(attn_metadata=metadata, kv_caches=caches, eager_region=strategy)
+    with torch.inference_mode(), forward_context(context):
         return attention(positions, hidden)
 
 
-def _chunks(starts: list[int], sizes: list[int]) -> list[ScheduledChunk]:
+def _chunks(starts: list[int], sizes: list[int]) -> list[Chunk]:
     return [
-        ScheduledChunk(
-            row=i, block_ids=tuple(range(8 * i, 8 * i + 8)), start_position=s, num_tokens=n
-        )
+        Chunk(row=i, block_ids=tuple(range(8 * i, 8 * i + 8)), start_position=s, num_tokens=n)
         for i, (s, n) in enumerate(zip(starts, sizes, strict=True))
     ]
 
@@ -141,6 +142,30 @@ def test_prepare_and_attend_are_sync_free_and_static(layer_type: str) -> None:
     assert all(trace == traces[0] for trace in traces[1:])
 
 
+def test_each_strategy_is_composed_once_per_layer() -> None:
+    config = DeepseekV4Config.tiny()
+    attention = random_model(config, 0).attention_layers()[0]
+    caches = allocate_kv_caches(config, num_blocks=8, block_size=BLOCK)
+    metadata, positions = new_metadata(
+        _chunks([0], [2]), num_tokens=2, block_size=BLOCK, max_rows=1, max_blocks=8
+    )
+    hidden = torch.zeros(2, config.hidden_size)
+    composed: list[str] = []
+
+    class Counting(NoGraph):
+        def compose(
+            self, prepare: Callable[..., Any], attend: Callable[[Any], Any]
+        ) -> Callable[..., Any]:
+            composed.append(self.name)
+            return super().compose(prepare, attend)
+
+    for strategy in (Counting(), *STRATEGIES, Counting(), *STRATEGIES):
+        context = ForwardContext(attn_metadata=metadata, kv_caches=caches, eager_region=strategy)
+        with torch.inference_mode(), forward_context(context):
+            attention(positions, hidden)
+    assert composed == ["no-graph"]
+
+
 def test_attention_without_caches_or_context_fails_clearly() -> None:
     config = DeepseekV4Config.tiny()
     attention = DeepseekV4Attention(config, 0)
@@ -151,5 +176,5 @@ def test_attention_without_caches_or_context_fails_clearly() -> None:
         _chunks([0], [2]), num_tokens=2, block_size=BLOCK, max_rows=1, max_blocks=8
     )
     context = forward_context(ForwardContext(attn_metadata=metadata))
-    with context, pytest.raises(RuntimeError, match="bind_kv_caches"):
+    with context, pytest.raises(RuntimeError, match=r"carries no KV caches: pass ForwardContext"):
         attention(positions, hidden)

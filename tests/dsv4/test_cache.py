@@ -1,4 +1,5 @@
-"""Paged caches: layout, binding, padded tokens write nothing, both metadata builders agree."""
+"""Paged caches: layout, the forward context hands them over, padded tokens write nothing, both
+metadata builders agree."""
 
 from __future__ import annotations
 
@@ -9,37 +10,35 @@ from hypothesis import strategies as st
 
 from dsv4.cache import PagedKVCaches, allocate_kv_caches
 from dsv4.config import CSA, HCA, SLIDING, DeepseekV4Config
-from dsv4.metadata import AttentionMetadata, MetadataBuffers, ScheduledChunk, new_metadata
+from dsv4.metadata import AttentionMetadata, MetadataBuffers, new_metadata
 from dsv4.model import DeepseekV4ForCausalLM
+from dsv4.testing import Chunk, configs, random_model
 from graphs import ForwardContext, forward_context
-from tests.dsv4.support import configs, random_model
-
-torch.set_num_threads(1)
 
 BLOCK, ROWS, MAX_BLOCKS = 4, 2, 8
 
 
 def _step(
-    model: DeepseekV4ForCausalLM,
+    fresh: tuple[DeepseekV4ForCausalLM, PagedKVCaches],
     metadata: AttentionMetadata,
     positions: torch.Tensor,
     ids: list[int],
 ) -> torch.Tensor:
+    model, caches = fresh
     padded = ids + [0] * (metadata.num_tokens - len(ids))
-    with torch.inference_mode(), forward_context(ForwardContext(attn_metadata=metadata)):
+    context = ForwardContext(attn_metadata=metadata, kv_caches=caches)
+    with torch.inference_mode(), forward_context(context):
         return model(torch.tensor(padded), positions)
 
 
-def _chunk(row: int, start: int, count: int) -> ScheduledChunk:
+def _chunk(row: int, start: int, count: int) -> Chunk:
     blocks = tuple(range(row * MAX_BLOCKS, (row + 1) * MAX_BLOCKS))
-    return ScheduledChunk(row=row, block_ids=blocks, start_position=start, num_tokens=count)
+    return Chunk(row=row, block_ids=blocks, start_position=start, num_tokens=count)
 
 
 def _fresh(config: DeepseekV4Config) -> tuple[DeepseekV4ForCausalLM, PagedKVCaches]:
     model = random_model(config, 4)
-    caches = allocate_kv_caches(config, num_blocks=ROWS * MAX_BLOCKS, block_size=BLOCK)
-    model.bind_kv_caches(caches)
-    return model, caches
+    return model, allocate_kv_caches(config, num_blocks=ROWS * MAX_BLOCKS, block_size=BLOCK)
 
 
 @settings(max_examples=15)
@@ -54,27 +53,28 @@ def test_padded_tokens_write_nothing(
 ) -> None:
     """An all-padding step leaves every cache row but the write sink bit-identical, and a
     padded batch writes exactly the rows (and gives the logits) of the unpadded one."""
-    model, caches = _fresh(config)
+    fresh = _fresh(config)
+    caches = fresh[1]
     chunk = _chunk(1, 0, history)
     metadata, positions = new_metadata(
         [chunk], num_tokens=history, block_size=BLOCK, max_rows=ROWS, max_blocks=MAX_BLOCKS
     )
-    unpadded_logits = _step(model, metadata, positions, ids[:history])
+    unpadded_logits = _step(fresh, metadata, positions, ids[:history])
     before = [t.clone() for t in caches.tensors()]
     padding, positions = new_metadata(
         [], num_tokens=pads, block_size=BLOCK, max_rows=ROWS, max_blocks=MAX_BLOCKS
     )
-    _step(model, padding, positions, [])
+    _step(fresh, padding, positions, [])
     for old, new in zip(before, caches.tensors(), strict=True):
         assert torch.equal(old[:-1], new[:-1])
 
-    padded_model, padded_caches = _fresh(config)
+    padded = _fresh(config)
     metadata, positions = new_metadata(
         [chunk], num_tokens=history + pads, block_size=BLOCK, max_rows=ROWS, max_blocks=MAX_BLOCKS
     )
-    padded_logits = _step(padded_model, metadata, positions, ids[:history])
+    padded_logits = _step(padded, metadata, positions, ids[:history])
     torch.testing.assert_close(padded_logits[:history], unpadded_logits, rtol=1e-5, atol=1e-5)
-    for old, new in zip(before, padded_caches.tensors(), strict=True):
+    for old, new in zip(before, padded[1].tensors(), strict=True):
         assert torch.equal(old[:-1] != 0, new[:-1] != 0)
         torch.testing.assert_close(old[:-1], new[:-1], rtol=1e-5, atol=1e-5)
 
@@ -82,17 +82,15 @@ def test_padded_tokens_write_nothing(
 def test_persistent_and_fresh_metadata_give_equal_logits() -> None:
     config = DeepseekV4Config.tiny()
     chunks = [_chunk(0, 0, 9), _chunk(1, 0, 5)]
-    fresh_model, _ = _fresh(config)
     metadata, positions = new_metadata(
         chunks, num_tokens=16, block_size=BLOCK, max_rows=ROWS, max_blocks=MAX_BLOCKS
     )
     ids = list(range(14))
-    expected = _step(fresh_model, metadata, positions, ids)
-    persistent_model, _ = _fresh(config)
+    expected = _step(_fresh(config), metadata, positions, ids)
     buffers = MetadataBuffers(max_tokens=32, block_size=BLOCK, max_rows=ROWS, max_blocks=MAX_BLOCKS)
     positions = torch.zeros(32, dtype=torch.long)
     metadata = buffers.write(chunks, num_tokens=16, positions_out=positions)
-    assert torch.equal(_step(persistent_model, metadata, positions[:16], ids), expected)
+    assert torch.equal(_step(_fresh(config), metadata, positions[:16], ids), expected)
 
 
 def test_cache_layout_per_layer_type() -> None:
@@ -116,20 +114,23 @@ def test_cache_layout_per_layer_type() -> None:
         allocate_kv_caches(config, num_blocks=0, block_size=4)
 
 
-def test_binding_caches_of_another_model_fails() -> None:
+def test_running_with_the_caches_of_another_model_fails() -> None:
     model = DeepseekV4ForCausalLM(DeepseekV4Config.tiny())
     other = DeepseekV4Config.tiny().to_hf_dict() | {"num_hidden_layers": 2}
     other["layer_types"], other["mlp_layer_types"] = [SLIDING, CSA], ["moe", "moe"]
     caches = allocate_kv_caches(DeepseekV4Config.from_hf_dict(other), num_blocks=2, block_size=4)
+    metadata, positions = new_metadata(
+        [_chunk(0, 0, 1)], num_tokens=1, block_size=BLOCK, max_rows=ROWS, max_blocks=MAX_BLOCKS
+    )
     with pytest.raises(ValueError, match="caches hold 2 layers, the model has 3"):
-        model.bind_kv_caches(caches)
+        _step((model, caches), metadata, positions, [1])
 
 
 STEP_ROWS, STEP_BLOCKS = 4, 5
 
 
 @st.composite
-def _step_chunks(draw: st.DrawFn) -> list[ScheduledChunk]:
+def _step_chunks(draw: st.DrawFn) -> list[Chunk]:
     """One step's chunks: distinct rows, each with 1..STEP_BLOCKS blocks covering its tokens."""
     rows = draw(st.lists(st.integers(0, STEP_ROWS - 1), min_size=1, max_size=4, unique=True))
     chunks = []
@@ -137,14 +138,14 @@ def _step_chunks(draw: st.DrawFn) -> list[ScheduledChunk]:
         blocks = tuple(draw(st.lists(st.integers(0, 40), min_size=1, max_size=STEP_BLOCKS)))
         start = draw(st.integers(0, len(blocks) * BLOCK - 1))
         count = draw(st.integers(1, len(blocks) * BLOCK - start))
-        chunk = ScheduledChunk(row=row, block_ids=blocks, start_position=start, num_tokens=count)
+        chunk = Chunk(row=row, block_ids=blocks, start_position=start, num_tokens=count)
         chunks.append(chunk)
     return chunks
 
 
 @given(steps=st.lists(_step_chunks(), min_size=1, max_size=6))
 def test_persistent_metadata_equals_fresh_metadata_step_after_step(
-    steps: list[list[ScheduledChunk]],
+    steps: list[list[Chunk]],
 ) -> None:
     """Over steps that add, drop and re-block rows, the persistent buffers (which rewrite only
     the block-table rows that changed) hold what fresh metadata holds wherever a token reads."""

@@ -15,9 +15,9 @@ import torch
 
 from dsv4.cache import allocate_kv_caches
 from dsv4.config import DeepseekV4Config
-from dsv4.metadata import AttentionMetadata, MetadataBuffers, ScheduledChunk, new_metadata
+from dsv4.metadata import AttentionMetadata, MetadataBuffers, new_metadata
 from dsv4.model import DeepseekV4ForCausalLM
-from dsv4.testing import chunk_schedule, run_schedule
+from dsv4.testing import Chunk, chunk_schedule, random_model, run_schedule
 from graphs import (
     BreakableCapture,
     CaptureAuditError,
@@ -29,9 +29,6 @@ from graphs import (
     forward_context,
 )
 from graphs.static_memory import StaticMemory
-from tests.dsv4.support import random_model
-
-torch.set_num_threads(1)
 
 BLOCK, MAX_BLOCKS, TOKENS = 4, 8, 4
 PROMPTS = [list(range(3, 16)), list(range(40, 61))]
@@ -39,12 +36,14 @@ CHUNKS = [[2, 2, 1, 2, 1, 1, 1, 1, 1, 1], [1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1
 
 
 class _Harness:
-    """A model with static inputs, caches and (optionally persistent) metadata."""
+    """A model with static inputs, caches, (optionally persistent) metadata and a region."""
 
-    def __init__(self, model: DeepseekV4ForCausalLM, persistent: bool) -> None:
+    def __init__(
+        self, model: DeepseekV4ForCausalLM, persistent: bool, region: EagerRegionStrategy
+    ) -> None:
         self.model = model
+        self.region = region
         self.caches = allocate_kv_caches(model.config, num_blocks=16, block_size=BLOCK)
-        model.bind_kv_caches(self.caches)
         self.buffers = MetadataBuffers(
             max_tokens=TOKENS, block_size=BLOCK, max_rows=2, max_blocks=MAX_BLOCKS
         )
@@ -58,7 +57,13 @@ class _Harness:
         if persistent:
             self.static.register_many(self.buffers.tensors(), "metadata")
 
-    def metadata(self, chunks: list[ScheduledChunk]) -> AttentionMetadata:
+    def context(self, chunks: list[Chunk]) -> ForwardContext:
+        """The step's context: its metadata (written in place or fresh), caches and region."""
+        return ForwardContext(
+            attn_metadata=self.metadata(chunks), kv_caches=self.caches, eager_region=self.region
+        )
+
+    def metadata(self, chunks: list[Chunk]) -> AttentionMetadata:
         if self.persistent:
             return self.buffers.write(chunks, num_tokens=TOKENS, positions_out=self.positions)
         metadata, positions = new_metadata(
@@ -68,7 +73,7 @@ class _Harness:
         return metadata
 
     def capture(self, full: bool) -> tuple[BreakableCapture, torch.Tensor]:
-        context = ForwardContext(attn_metadata=self.metadata([]))
+        context = self.context([])
         capture = BreakableCapture(device="cpu", full=full, static=self.static)
         with torch.inference_mode(), forward_context(context), capture:
             logits = self.model(self.ids, self.positions)
@@ -83,7 +88,7 @@ class _Harness:
             chunks, ids = [], []
             for request, count in step:
                 chunks.append(
-                    ScheduledChunk(
+                    Chunk(
                         row=request,
                         block_ids=blocks[request],
                         start_position=done[request],
@@ -92,9 +97,9 @@ class _Harness:
                 )
                 ids += PROMPTS[request][done[request] : done[request] + count]
                 done[request] += count
-            metadata = self.metadata(chunks)
+            context = self.context(chunks)
             self.ids.copy_(torch.tensor(ids + [0] * (TOKENS - len(ids))))
-            with torch.inference_mode(), forward_context(ForwardContext(attn_metadata=metadata)):
+            with torch.inference_mode(), forward_context(context):
                 capture.replay()
             offset = 0
             for request, count in step:
@@ -115,9 +120,7 @@ def test_replay_with_persistent_metadata_equals_eager(
     strategy: EagerRegionStrategy, layout: str
 ) -> None:
     config = DeepseekV4Config.tiny()
-    model = random_model(config, 11)
-    model.set_eager_region(strategy)
-    harness = _Harness(model, persistent=True)
+    harness = _Harness(random_model(config, 11), persistent=True, region=strategy)
     capture, logits = harness.capture(full=strategy == FullGraph())
     assert capture.layout == layout
     replayed = harness.replay_schedule(capture, logits)
@@ -127,12 +130,10 @@ def test_replay_with_persistent_metadata_equals_eager(
 
 def test_narrow_region_refuses_fresh_metadata_and_wide_region_replays_it() -> None:
     config = DeepseekV4Config.tiny()
-    narrow = _Harness(random_model(config, 11), persistent=False)
+    narrow = _Harness(random_model(config, 11), persistent=False, region=NarrowRegion())
     with pytest.raises(CaptureAuditError):
         narrow.capture(full=False)
-    model = random_model(config, 11)
-    model.set_eager_region(WideRegion())
-    wide = _Harness(model, persistent=False)
+    wide = _Harness(random_model(config, 11), persistent=False, region=WideRegion())
     capture, logits = wide.capture(full=False)
     replayed = wide.replay_schedule(capture, logits)
     for ours, expected in zip(replayed, _eager_reference(config), strict=True):

@@ -14,13 +14,19 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Rotar
 
 from dsv4.config import ARCHITECTURE, CSA, HCA, SLIDING, DeepseekV4Config
 from dsv4.errors import ConfigError
-from dsv4.hf_config import UnsupportedArchitectureError, architecture_of
+from dsv4.hf_config import (
+    CONFIG_FILE,
+    UnsupportedArchitectureError,
+    architecture_of,
+    load_config,
+    save_config,
+)
 from dsv4.model import DeepseekV4ForCausalLM
 from dsv4.rope import RotaryEmbedding
+from dsv4.testing import configs
 from runners import ModelRunnerV2
 from runners.spec import EngineSpec, resolve_spec
 from runners.spec import architecture_of as spec_architecture
-from tests.dsv4.support import configs
 
 BASE: dict[str, Any] = {
     "vocab_size": 64,
@@ -53,9 +59,10 @@ def test_tiny_preset_covers_every_layer_type_and_bytes(tmp_path: Path) -> None:
     tiny = DeepseekV4Config.tiny()
     assert set(tiny.layer_types) == set(TYPES)
     assert tiny.vocab_size >= 259 and {tiny.bos_token_id, tiny.eos_token_id} <= set(range(256, 320))
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(tiny.to_hf_dict()))
-    assert DeepseekV4Config.from_json_file(path) == tiny
+    path = save_config(tmp_path, tiny)
+    assert path == tmp_path / CONFIG_FILE == tmp_path / "config.json"
+    assert json.loads(path.read_text()) == tiny.to_hf_dict()
+    assert DeepseekV4Config.from_json_file(path) == load_config(tmp_path) == tiny
 
 
 HF_LAYOUTS: dict[str, dict[str, Any]] = {

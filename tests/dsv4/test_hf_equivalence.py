@@ -7,18 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv4.config import DeepseekV4Config
-from dsv4.testing import chunk_schedule, run_schedule
-from tests.dsv4.support import (
-    chunk_sizes,
-    configs,
-    hf_logits,
-    hf_twin,
-    max_diff,
-    prompts,
-    random_model,
-)
+from dsv4.testing import chunk_schedule, chunk_sizes, configs, prompts, random_model, run_schedule
+from tests.dsv4.support import hf_logits, hf_twin, max_diff
 
-torch.set_num_threads(1)
 TOLERANCE = 1e-4
 
 

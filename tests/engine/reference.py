@@ -17,8 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from dsv4.metadata import ScheduledChunk
-from runners.engine import FinishReason, SamplingParams
+from runners.engine import EngineLimits, FinishReason, SamplingParams, ScheduledChunk
 from runners.engine.sampling import sample, seeded_generator
 
 _MASK = (1 << 63) - 1
@@ -47,12 +46,14 @@ class ReferenceExecutor:
         max_blocks_per_row: int = 8,
         vocab_size: int = 16,
     ) -> None:
-        self.max_rows = max_rows
-        self.max_num_tokens = max_num_tokens
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.max_blocks_per_row = max_blocks_per_row
-        self.vocab_size = vocab_size
+        self.limits = EngineLimits(
+            max_rows=max_rows,
+            max_num_tokens=max_num_tokens,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_blocks_per_row=max_blocks_per_row,
+            vocab_size=vocab_size,
+        )
         self.cache: list[int | None] = [None] * (num_blocks * block_size)
         self.rows: dict[int, tuple[tuple[int, ...], int]] = {}
         """Per row: the blocks and the number of positions fed so far by its current request."""
@@ -63,33 +64,33 @@ class ReferenceExecutor:
         """Rows whose token history this accepts get NaN logits (a model gone bad for them)."""
 
     def _slot(self, chunk: ScheduledChunk, position: int) -> int:
-        return chunk.block_ids[position // self.block_size] * self.block_size + (
-            position % self.block_size
-        )
+        size = self.limits.block_size
+        return chunk.block_ids[position // size] * size + position % size
 
     def _check(self, chunks: Sequence[ScheduledChunk], token_ids: Sequence[Sequence[int]]) -> None:
         def require(ok: bool, what: str) -> None:
             if not ok:
                 raise ContractViolation(what)
 
-        require(1 <= len(chunks) <= self.max_rows, f"{len(chunks)} chunks")
+        limits = self.limits
+        require(1 <= len(chunks) <= limits.max_rows, f"{len(chunks)} chunks")
         require(len(token_ids) == len(chunks), "one token list per chunk")
         rows = [c.row for c in chunks]
         require(len(set(rows)) == len(rows), f"rows repeat in one step: {rows}")
-        require(sum(c.num_tokens for c in chunks) <= self.max_num_tokens, "over max_num_tokens")
+        require(sum(c.num_tokens for c in chunks) <= limits.max_num_tokens, "over max_num_tokens")
         used: set[int] = set()
         for chunk, ids in zip(chunks, token_ids, strict=True):
-            require(0 <= chunk.row < self.max_rows, f"row {chunk.row}")
+            require(0 <= chunk.row < limits.max_rows, f"row {chunk.row}")
             require(len(ids) == chunk.num_tokens, "token count differs from num_tokens")
-            require(all(0 <= t < self.vocab_size for t in ids), f"token ids {ids}")
+            require(all(0 <= t < limits.vocab_size for t in ids), f"token ids {ids}")
             blocks = chunk.block_ids
-            require(len(blocks) <= self.max_blocks_per_row, "more blocks than a row holds")
+            require(len(blocks) <= limits.max_blocks_per_row, "more blocks than a row holds")
             require(len(set(blocks)) == len(blocks), f"a block repeats in row {chunk.row}")
-            require(all(0 <= b < self.num_blocks for b in blocks), f"block ids {blocks}")
+            require(all(0 <= b < limits.num_blocks for b in blocks), f"block ids {blocks}")
             require(not used & set(blocks), f"rows share blocks {used & set(blocks)}")
             used |= set(blocks)
             end = chunk.start_position + chunk.num_tokens
-            require(end <= len(blocks) * self.block_size, "blocks do not cover the chunk")
+            require(end <= len(blocks) * limits.block_size, "blocks do not cover the chunk")
             if chunk.start_position > 0:
                 previous = self.rows.get(chunk.row)
                 require(previous is not None, f"row {chunk.row} resumes with no history")
@@ -111,7 +112,8 @@ class ReferenceExecutor:
         if self.fail_next is not None:
             error, self.fail_next = self.fail_next, None
             raise error
-        logits = torch.empty(len(chunks), self.vocab_size)
+        vocab_size = self.limits.vocab_size
+        logits = torch.empty(len(chunks), vocab_size)
         for i, chunk in enumerate(chunks):
             end = chunk.start_position + chunk.num_tokens
             history = [self.cache[self._slot(chunk, p)] for p in range(end)]
@@ -119,7 +121,7 @@ class ReferenceExecutor:
                 raise ContractViolation(f"row {chunk.row} reads a position never written")
             tokens = [t for t in history if t is not None]
             logits[i] = (
-                float("nan") if self.poisoned(tokens) else history_logits(tokens, self.vocab_size)
+                float("nan") if self.poisoned(tokens) else history_logits(tokens, vocab_size)
             )
         return logits
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import attrs
 import pytest
-import torch
 
 from runners.engine import (
     LLM,
@@ -21,8 +20,6 @@ from runners.engine import (
     SamplingParams,
 )
 from tests.engine.reference import ReferenceExecutor, reference_generate
-
-torch.set_num_threads(1)
 
 VOCAB = 16
 
@@ -195,20 +192,22 @@ def test_duplicate_live_id_is_refused_and_generate_is_atomic() -> None:
 @pytest.mark.parametrize(
     ("budget", "sizes", "message"),
     [
-        (0, {}, "max_num_batched_tokens must be in"),
-        (17, {}, "max_num_batched_tokens must be in"),
-        (None, {"num_blocks": 0}, "executor.num_blocks"),
-        (None, {"vocab_size": 0}, "executor.vocab_size"),
+        (
+            0,
+            {},
+            r"max_num_batched_tokens must be in \[1, 16\] \(the executor's max_num_tokens\), got 0",
+        ),
+        (17, {}, r"max_num_batched_tokens must be in \[1, 16\]"),
+        (None, {"num_blocks": 0}, r"^EngineLimits.num_blocks must be an int >= 1, got 0$"),
+        (None, {"vocab_size": 0}, r"^EngineLimits.vocab_size must be an int >= 1, got 0$"),
+        (None, {"block_size": True}, r"^EngineLimits.block_size must be an int >= 1, got True$"),
     ],
 )
 def test_bad_engine_settings_are_refused(
     budget: int | None, sizes: dict[str, int], message: str
 ) -> None:
-    executor = ReferenceExecutor(max_num_tokens=16)
-    for name, value in sizes.items():
-        setattr(executor, name, value)
     with pytest.raises(EngineConfigError, match=message):
-        LLM(executor, max_num_batched_tokens=budget)
+        LLM(ReferenceExecutor(max_num_tokens=16, **sizes), max_num_batched_tokens=budget)
 
 
 def test_executor_failure_mid_step_leaves_the_engine_usable() -> None:

@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 
 import attrs
 import pytest
-import torch
 
 from runners.engine import (
     LLM,
@@ -24,8 +23,6 @@ from runners.engine import (
 from runners.engine.sampling import NON_FINITE_LOGITS
 from tests.engine.reference import ReferenceExecutor, reference_generate
 from tests.engine.test_engine import assert_all_free
-
-torch.set_num_threads(1)
 
 VOCAB = 16
 BAD = [15, 3, 3]

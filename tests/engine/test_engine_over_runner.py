@@ -14,29 +14,23 @@ import pytest
 import torch
 
 from dsv4 import DeepseekV4Config, DeepseekV4ForCausalLM
-from dsv4.testing import run_schedule
-from dsv4.weights import randomize_
+from dsv4.testing import random_model, run_schedule
 from graphs import EagerRegionStrategy, NarrowRegion, WideRegion
 from platforms import CpuPlatform
 from runners import CacheLayout, CUDAGraphMode, ModelRunner, ModelRunnerV1, ModelRunnerV2
 from runners.engine import LLM, RequestFailedError, SamplingParams
 
-torch.set_num_threads(1)
-
 PROMPTS = [list(b"Hello, DeepSeek"), list(b"abc"), list(b"The quick brown fox jumps")]
 MAX_TOKENS = 10
 
 
-def tiny_model(strategy: EagerRegionStrategy) -> DeepseekV4ForCausalLM:
-    config = DeepseekV4Config.tiny()
-    model = DeepseekV4ForCausalLM(config, strategy=strategy)
-    randomize_(model, 0, num_experts=config.n_routed_experts)
-    return model
+def tiny_model() -> DeepseekV4ForCausalLM:
+    return random_model(DeepseekV4Config.tiny(), 0)
 
 
 @pytest.fixture(scope="module")
 def reference_tokens() -> list[tuple[int, ...]]:
-    model = tiny_model(NarrowRegion())
+    model = tiny_model()
     outputs = []
     with torch.inference_mode():
         for prompt in PROMPTS:
@@ -65,9 +59,10 @@ def test_engine_over_runner_equals_full_recompute(
     reference_tokens: list[tuple[int, ...]],
 ) -> None:
     runner = runner_class(
-        tiny_model(strategy),
+        tiny_model(),
         platform=CpuPlatform(),
         layout=CacheLayout(num_blocks=24, block_size=8, max_rows=2, max_blocks_per_row=6),
+        eager_region=strategy,
         decode_mode=decode,
         mixed_mode=mixed,
         capture_sizes=(1, 2, 4),
@@ -87,6 +82,7 @@ def v2_runner(model: DeepseekV4ForCausalLM) -> ModelRunner:
         model,
         platform=CpuPlatform(),
         layout=CacheLayout(num_blocks=24, block_size=8, max_rows=2, max_blocks_per_row=6),
+        eager_region=NarrowRegion(),
         decode_mode=CUDAGraphMode.FULL,
         mixed_mode=CUDAGraphMode.PIECEWISE,
         capture_sizes=(1, 2, 4),
@@ -100,7 +96,7 @@ def test_a_request_the_model_turns_to_nan_fails_alone_and_its_blocks_are_reused_
     """A NaN embedding row poisons every request holding that token, and only those: the failed
     request's row and blocks (holding NaN KV) are reused by the next requests without effect."""
     unused = sorted(set(range(259, 320)) - {t for out in reference_tokens for t in out})
-    model = tiny_model(NarrowRegion())
+    model = tiny_model()
     with torch.no_grad():
         model.model.embed_tokens.weight[unused[0]] = float("nan")
     llm = LLM(v2_runner(model), max_num_batched_tokens=16)
@@ -115,7 +111,7 @@ def test_one_engine_over_a_runner_shared_by_two_threads(
     reference_tokens: list[tuple[int, ...]],
 ) -> None:
     """It used to fail most calls with "row 0: 0 token ids for 1" (steps interleaved)."""
-    llm = LLM(v2_runner(tiny_model(NarrowRegion())), max_num_batched_tokens=16)
+    llm = LLM(v2_runner(tiny_model()), max_num_batched_tokens=16)
     start = threading.Barrier(2, timeout=30)
 
     def calls(_: int) -> list[list[tuple[int, ...]]]:

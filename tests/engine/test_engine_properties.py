@@ -6,7 +6,6 @@ at the end."""
 from __future__ import annotations
 
 import attrs
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,8 +17,6 @@ from runners.engine import (
     SamplingParams,
 )
 from tests.engine.reference import ReferenceExecutor, reference_generate
-
-torch.set_num_threads(1)
 
 VOCAB = 12
 MAX_STEPS = 500

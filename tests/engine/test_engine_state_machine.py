@@ -10,7 +10,6 @@ capture sizes, so steps mix replayed FULL and PIECEWISE graphs, padding and eage
 from __future__ import annotations
 
 import attrs
-import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -82,7 +81,6 @@ class EngineAgainstEager(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        torch.set_num_threads(1)
         self.graphs = _engine()
         self.eager = _engine(cudagraph_mode="NONE")
         self.graph_llm = LLM(self.graphs.runner, max_num_batched_tokens=BUDGET)

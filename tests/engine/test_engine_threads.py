@@ -12,13 +12,10 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
 from runners.engine import LLM, RequestOutput, SamplingParams
 from tests.engine.reference import ReferenceExecutor, reference_generate
 from tests.engine.test_engine import assert_all_free
-
-torch.set_num_threads(1)
 
 VOCAB = 16
 THREADS = 2

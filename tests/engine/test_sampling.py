@@ -12,8 +12,6 @@ from hypothesis import strategies as st
 from runners.engine import SamplingParams
 from runners.engine.sampling import NON_FINITE_LOGITS, filtered_probs, sample, seeded_generator
 
-torch.set_num_threads(1)
-
 # Logits on a grid of quarters and power-of-two temperatures divide exactly in float32 and
 # float64, so ties are exact (and frequent) in both and the two implementations see one order.
 grid_logits = st.lists(st.integers(-12, 12).map(lambda q: q / 4), min_size=1, max_size=12)

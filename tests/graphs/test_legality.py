@@ -50,9 +50,6 @@ LEGAL: dict[str, Program] = {
 }
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 @pytest.mark.parametrize("case", sorted(ILLEGAL))
 def test_illegal_op_raises_naming_the_op_and_the_line(case: str) -> None:
     program, op = ILLEGAL[case]

@@ -16,9 +16,6 @@ from graphs.tape import TapeSegment
 Program = Callable[[torch.Tensor], torch.Tensor]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32) if t.dtype == torch.float32 else t
 

@@ -40,9 +40,6 @@ from tests.graphs.random_programs import (
 REPLAYS = 3
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32) if t.dtype == torch.float32 else t
 

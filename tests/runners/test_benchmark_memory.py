@@ -25,7 +25,6 @@ def test_peak_counts_storages_alive_together_and_forgets_freed_ones() -> None:
 
 
 def test_captures_hold_their_arena_and_less_than_twice_an_eager_step() -> None:
-    torch.set_num_threads(1)
     runner = build_engine(EngineSpec(platform="cpu", capture_sizes=(1, 2, 4))).runner
     pool = runner.graph_backend.pool
     runner.capture()

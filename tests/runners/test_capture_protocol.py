@@ -20,10 +20,10 @@ from platforms import CpuPlatform, CudaPlatform, Platform
 from runners import CUDAGraphMode
 from tests.runners.support import (
     MIXED_BATCH,
-    build_runner,
     greedy,
     max_logit_difference,
     resolve_on,
+    tiny_runner,
 )
 
 PLATFORMS = [
@@ -41,9 +41,9 @@ steps are padded and replayed as piecewise graphs, not run eagerly above the lar
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("mode", ["PIECEWISE", "FULL_AND_PIECEWISE"])
 def test_v2_narrow_replays_mixed_steps_equal_to_eager(platform: Platform, mode: str) -> None:
-    graphs = build_runner(resolve_on(platform, runner="v2", mode=mode), capture_sizes=SIZES)
-    assert graphs.model.attention_layers()[0].strategy.name == "narrow"
-    reference = build_runner(resolve_on(platform, runner="v2", mode="NONE"), capture_sizes=SIZES)
+    graphs = tiny_runner(resolve_on(platform, runner="v2", mode=mode), capture_sizes=SIZES)
+    assert graphs.eager_region.name == "narrow"
+    reference = tiny_runner(resolve_on(platform, runner="v2", mode="NONE"), capture_sizes=SIZES)
     got, expected = greedy(graphs, MIXED_BATCH, 6), greedy(reference, MIXED_BATCH, 6)
     assert got.tokens == expected.tokens
     assert max_logit_difference(got, expected) <= TOLERANCE[platform.name]
@@ -55,14 +55,14 @@ def test_without_the_replay_before_each_break_v2_narrow_fails_to_capture(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(BreakableCapture, "_replay_recorded", lambda self, segment: None)
-    runner = build_runner(resolve_on(runner="v2", mode="PIECEWISE"), capture_sizes=SIZES)
+    runner = tiny_runner(resolve_on(runner="v2", mode="PIECEWISE"), capture_sizes=SIZES)
     with pytest.raises(IndexError, match="index out of range"):
         greedy(runner, MIXED_BATCH, 2)
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
 def test_clear_graphs_then_recapture_into_a_fresh_pool(platform: Platform) -> None:
-    runner = build_runner(resolve_on(platform, runner="v2", mode="FULL_AND_PIECEWISE"))
+    runner = tiny_runner(resolve_on(platform, runner="v2", mode="FULL_AND_PIECEWISE"))
     first = greedy(runner, MIXED_BATCH, 4)
     old_pool = runner.graph_backend.pool
     gc.disable()  # the old graphs must go by reference count alone (no reference cycle)
@@ -79,7 +79,7 @@ def test_clear_graphs_then_recapture_into_a_fresh_pool(platform: Platform) -> No
 
 def test_two_runners_on_one_platform_never_share_a_pool() -> None:
     resolution = resolve_on(runner="v2", mode="FULL_AND_PIECEWISE")
-    a, b = build_runner(resolution), build_runner(resolution)
+    a, b = tiny_runner(resolution), tiny_runner(resolution)
     assert a.graph_backend.pool is not b.graph_backend.pool
 
 
@@ -87,8 +87,8 @@ def test_two_runners_on_one_platform_never_share_a_pool() -> None:
 def test_a_failed_capture_leaves_the_runner_usable(
     platform: Platform, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    runner = build_runner(resolve_on(platform, runner="v2", mode="FULL_AND_PIECEWISE"))
-    reference = build_runner(resolve_on(platform, runner="v2", mode="NONE"))
+    runner = tiny_runner(resolve_on(platform, runner="v2", mode="FULL_AND_PIECEWISE"))
+    reference = tiny_runner(resolve_on(platform, runner="v2", mode="NONE"))
     layer = runner.model.attention_layers()[1]
     original = layer.forward
     calls = {"n": 0}

@@ -9,12 +9,10 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from dsv4.metadata import ScheduledChunk
-from graphs import get_forward_context
+from graphs import NarrowRegion, WideRegion, get_forward_context
 from graphs.forward_context import ForwardContext
 from platforms import CudaPlatform, PlatformUnavailableError
 from runners import (
-    BatchDescriptor,
     CaptureSizeError,
     CUDAGraphMode,
     ModelRunner,
@@ -22,14 +20,15 @@ from runners import (
     ModelRunnerV2,
     RunnerInputError,
 )
-from tests.runners.support import LAYOUT, build_runner, fresh_model, resolve_on
+from runners.engine import EngineLimits, ScheduledChunk
+from tests.runners.support import LAYOUT, fresh_model, resolve_on, tiny_runner
 
 FULL, PIECEWISE, NONE = CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE
 
 
 @functools.cache
 def eager_runner() -> ModelRunner:
-    return build_runner(resolve_on(runner="v2", mode="NONE"))
+    return tiny_runner(resolve_on(runner="v2", mode="NONE"))
 
 
 def chunk(row: int, start: int, count: int) -> ScheduledChunk:
@@ -55,7 +54,7 @@ STEPS = [
 
 
 def test_capture_runs_largest_size_first_with_one_break_per_attention_layer() -> None:
-    runner = build_runner(resolve_on(runner="v2", mode="FULL_AND_PIECEWISE"), capture_sizes=(1, 2))
+    runner = tiny_runner(resolve_on(runner="v2", mode="FULL_AND_PIECEWISE"), capture_sizes=(1, 2))
     runner.capture()
     assert runner.captured == ((FULL, 2), (PIECEWISE, 2), (FULL, 1), (PIECEWISE, 1))
     layers = len(runner.model.attention_layers())
@@ -68,24 +67,21 @@ def test_capture_runs_largest_size_first_with_one_break_per_attention_layer() ->
 
 def test_dispatch_pads_captures_on_demand_and_runs_eagerly_above_the_largest_size() -> None:
     seen: list[ForwardContext] = []
-    runner = build_runner(resolve_on(runner="v2", mode="FULL_AND_PIECEWISE"))
+    runner = tiny_runner(resolve_on(runner="v2", mode="FULL_AND_PIECEWISE"))
     runner.model.register_forward_pre_hook(lambda *_: seen.append(get_forward_context()))
-    eager = build_runner(resolve_on(runner="v2", mode="NONE"))
+    eager = tiny_runner(resolve_on(runner="v2", mode="NONE"))
     got, expected = run(runner, STEPS), run(eager, STEPS)
     for g, e in zip(got, expected, strict=True):
         assert g.shape == e.shape and float((g - e).abs().max()) <= 1e-5
     # A lazy capture takes every missing larger size of its mode first (largest first, as
     # ahead-of-time capture does), so smaller graphs reuse the pool memory of larger ones.
     assert runner.captured == ((PIECEWISE, 4), (FULL, 4), (FULL, 2))
-    # The model ran forward once per capture (the tape needs no warm-up) and once for the
-    # eager step; replays do not call it.
-    observed = [(c.batch_descriptor, c.runtime_mode) for c in seen]
-    assert observed == [
-        (BatchDescriptor(num_tokens=4, uniform_decode=False), PIECEWISE),
-        (BatchDescriptor(num_tokens=6, uniform_decode=False), NONE),
-        (BatchDescriptor(num_tokens=4, uniform_decode=True), FULL),
-        (BatchDescriptor(num_tokens=2, uniform_decode=True), FULL),
-    ]
+    # The model ran forward once per capture (the tape needs no warm-up: PIECEWISE 4, FULL 4,
+    # FULL 2) and once for the eager 6-token step; replays do not call it. Every forward got the
+    # runner's caches and region through the context.
+    assert [c.attn_metadata.num_tokens for c in seen] == [4, 6, 4, 2]
+    assert all(c.kv_caches is runner.kv_caches for c in seen)
+    assert all(c.eager_region == runner.eager_region == NarrowRegion() for c in seen)
     # The last step wrote two tokens into the persistent metadata; nothing else is live.
     assert runner.metadata_buffers.slot_mapping[:2].ge(0).all()  # type: ignore[attr-defined]
     run(runner, STEPS[:1])
@@ -93,23 +89,30 @@ def test_dispatch_pads_captures_on_demand_and_runs_eagerly_above_the_largest_siz
 
 
 def test_full_graphs_serve_only_uniform_decode_batches() -> None:
-    runner = build_runner(resolve_on(runner="v2", mode="FULL_DECODE_ONLY"))
+    runner = tiny_runner(resolve_on(runner="v2", mode="FULL_DECODE_ONLY"))
     run(runner, STEPS)
     # mixed batches ran eagerly, never under FULL; size 4 is captured before size 2
     assert runner.captured == ((FULL, 4), (FULL, 2))
     with pytest.raises(ValueError, match="uniform-decode batches only"):
-        ModelRunnerV2(fresh_model(), platform=runner.platform, layout=LAYOUT, mixed_mode=FULL)
+        ModelRunnerV2(
+            fresh_model(),
+            platform=runner.platform,
+            layout=LAYOUT,
+            eager_region=NarrowRegion(),
+            mixed_mode=FULL,
+        )
     with pytest.raises(ValueError, match="must be NONE, PIECEWISE or FULL"):
         ModelRunnerV1(
             fresh_model(),
             platform=runner.platform,
             layout=LAYOUT,
+            eager_region=WideRegion(),
             decode_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
         )
 
 
 def test_capture_writes_nothing_into_the_caches_and_recapture_is_exact() -> None:
-    runner = build_runner(resolve_on(runner="v1", mode="PIECEWISE"), capture_sizes=(2, 4))
+    runner = tiny_runner(resolve_on(runner="v1", mode="PIECEWISE"), capture_sizes=(2, 4))
     # Every cache tensor's last row is the write sink padded tokens write into (dsv4.paging).
     before = [t[:-1].clone() for t in runner.kv_caches.tensors()]
     runner.capture()
@@ -125,16 +128,22 @@ def test_capture_writes_nothing_into_the_caches_and_recapture_is_exact() -> None
     assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
 
 
-def test_the_runner_owns_its_caches_and_recomposes_the_model() -> None:
+def test_the_runner_owns_its_caches_region_and_limits() -> None:
     resolution = resolve_on(runner="v1", mode="PIECEWISE")
-    runner = build_runner(resolution)
-    assert runner.model.strategy == resolution.eager_region
+    runner = tiny_runner(resolution)
+    assert runner.eager_region == resolution.eager_region == WideRegion()
     static = runner.static_memory
     for tensor in (runner.input_ids, runner.positions, *runner.kv_caches.tensors()):
         assert tensor in static
     assert next(runner.model.parameters()) in static
-    assert (runner.max_rows, runner.num_blocks, runner.block_size) == (4, 48, 4)
-    assert runner.vocab_size == runner.model.config.vocab_size
+    assert runner.limits == EngineLimits(
+        max_rows=4,
+        max_num_tokens=16,
+        num_blocks=48,
+        block_size=4,
+        max_blocks_per_row=8,
+        vocab_size=runner.model.config.vocab_size,
+    )
 
 
 @pytest.mark.parametrize(
@@ -170,10 +179,12 @@ def test_bad_steps_give_one_clear_error_each(
 @pytest.mark.parametrize("sizes", [(0,), (1, -2), (1, 64)])
 def test_bad_capture_sizes_are_refused_at_construction(sizes: tuple[int, ...]) -> None:
     with pytest.raises(CaptureSizeError, match="capture size"):
-        build_runner(resolve_on(runner="v2"), capture_sizes=sizes)
+        tiny_runner(resolve_on(runner="v2"), capture_sizes=sizes)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 def test_a_platform_missing_here_is_refused_unless_simulated() -> None:
     with pytest.raises(PlatformUnavailableError, match="simulate"):
-        ModelRunnerV2(fresh_model(), platform=CudaPlatform(), layout=LAYOUT)
+        ModelRunnerV2(
+            fresh_model(), platform=CudaPlatform(), layout=LAYOUT, eager_region=NarrowRegion()
+        )

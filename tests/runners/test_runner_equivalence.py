@@ -21,12 +21,12 @@ from runners import CUDAGraphMode, ModelRunner
 from tests.runners.support import (
     MIXED_BATCH,
     Generation,
-    build_runner,
     fresh_model,
     greedy,
     max_logit_difference,
     prompts,
     resolve_on,
+    tiny_runner,
 )
 
 PAIRS = [(runner, mode) for runner in ("v1", "v2") for mode in CUDAGraphMode]
@@ -38,7 +38,7 @@ def runner_for(runner: str, mode: CUDAGraphMode) -> ModelRunner:
     r = resolve_on(runner=runner, mode=mode)
     key = (r.runner, r.decode_mode, r.mixed_mode, r.eager_region)
     if key not in _runners:
-        _runners[key] = build_runner(r)
+        _runners[key] = tiny_runner(r)
     return _runners[key]
 
 
@@ -101,7 +101,7 @@ def test_simulated_platforms_run_their_policy_on_the_cpu(platform: Platform) -> 
     resolution = resolve_on(simulate(platform))
     expected_runner = "v1" if platform.name == "rocm" else "v2"
     assert resolution.runner.name == expected_runner
-    runner = build_runner(resolution, capture_sizes=(4,))
+    runner = tiny_runner(resolution, capture_sizes=(4,))
     assert runner.device.type == "cpu" and runner.platform.simulated
     assert greedy(runner, MIXED_BATCH, 6).tokens == eager(MIXED_BATCH, 6).tokens
     assert runner.captured
@@ -112,8 +112,8 @@ def test_simulated_platforms_run_their_policy_on_the_cpu(platform: Platform) -> 
 def test_real_cuda_graphs_generate_the_eager_tokens(runner: str) -> None:
     """On a GPU: the resolved runner with CUDA graphs vs the same runner machinery eagerly."""
     cuda = CudaPlatform() if torch.version.hip is None else RocmPlatform()
-    graphs = build_runner(resolve_on(cuda, runner=runner))
-    reference = build_runner(resolve_on(cuda, runner=runner, mode=CUDAGraphMode.NONE))
+    graphs = tiny_runner(resolve_on(cuda, runner=runner))
+    reference = tiny_runner(resolve_on(cuda, runner=runner, mode=CUDAGraphMode.NONE))
     got = greedy(graphs, MIXED_BATCH, 6)
     expected = greedy(reference, MIXED_BATCH, 6)
     assert got.tokens == expected.tokens

@@ -16,21 +16,21 @@ import pytest
 from graphs import CaptureAuditError, NarrowRegion, WideRegion
 from graphs.audit import AuditMode
 from runners import CUDAGraphMode, ModelRunner, UnsafeRegionError
-from tests.runners.support import MIXED_BATCH, build_runner, greedy, resolve_on
+from tests.runners.support import MIXED_BATCH, greedy, resolve_on, tiny_runner
 
 MAX_TOKENS = 6
 
 
 @functools.cache
 def eager_tokens() -> list[tuple[int, ...]]:
-    runner = build_runner(resolve_on(runner="v2", mode=CUDAGraphMode.NONE))
+    runner = tiny_runner(resolve_on(runner="v2", mode=CUDAGraphMode.NONE))
     return greedy(runner, MIXED_BATCH, MAX_TOKENS).tokens
 
 
 def v1_narrow(audit: AuditMode) -> ModelRunner:
     resolution = resolve_on(runner="v1", mode="PIECEWISE", region="narrow", unsafe=True)
     assert resolution.unsafe_region and resolution.eager_region == NarrowRegion()
-    return build_runner(resolution, audit=audit, capture_sizes=(4,))
+    return tiny_runner(resolution, audit=audit, capture_sizes=(4,))
 
 
 def test_v1_narrow_is_refused_without_the_unsafe_flag() -> None:
@@ -67,7 +67,7 @@ def test_with_the_audit_off_the_tokens_differ_from_eager() -> None:
 def test_v2_with_the_narrow_region_is_clean_and_exact() -> None:
     resolution = resolve_on(runner="v2", mode="PIECEWISE")
     assert resolution.eager_region == NarrowRegion() and not resolution.unsafe_region
-    runner = build_runner(resolution, audit="report", capture_sizes=(4,))
+    runner = tiny_runner(resolution, audit="report", capture_sizes=(4,))
     runner.capture()
     assert runner.audit_findings == ()
     assert greedy(runner, MIXED_BATCH, MAX_TOKENS).tokens == eager_tokens()
@@ -77,6 +77,6 @@ def test_v2_with_the_narrow_region_is_clean_and_exact() -> None:
 def test_v1_with_its_wide_region_is_clean_and_exact() -> None:
     resolution = resolve_on(runner="v1", mode="PIECEWISE")
     assert resolution.eager_region == WideRegion()
-    runner = build_runner(resolution, audit="report", capture_sizes=(4,))
+    runner = tiny_runner(resolution, audit="report", capture_sizes=(4,))
     assert greedy(runner, MIXED_BATCH, MAX_TOKENS).tokens == eager_tokens()
     assert runner.captured and runner.audit_findings == ()
