@@ -93,17 +93,6 @@ class StreamPrinter:
             self._line_open = False
 
 
-def _generated(llm: LLM, request_id: str) -> Sequence[int]:
-    """The tokens a live request has generated so far.
-
-    The engine has no public hook for this yet; it reads the scheduler's request state
-    (``token_ids`` is prompt + output, ``prompt_len`` the prompt's length)."""
-    request = llm.scheduler.live.get(request_id)
-    if request is None:
-        return ()
-    return request.token_ids[request.prompt_len :]
-
-
 def generate_streaming(
     llm: LLM,
     prompts: Sequence[Sequence[int]],
@@ -126,7 +115,7 @@ def generate_streaming(
             for i, request_id in enumerate(ids):
                 if request_id in results:
                     continue
-                tokens = _generated(llm, request_id)
+                tokens = llm.generated(request_id)
                 if len(tokens) != seen[i]:
                     seen[i] = len(tokens)
                     on_tokens(i, tuple(tokens), False)

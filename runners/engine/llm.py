@@ -142,6 +142,15 @@ class LLM:
         with self._lock:
             return self.scheduler.abort(request_id)
 
+    def generated(self, request_id: str) -> tuple[int, ...]:
+        """The tokens a live request has generated so far (empty for an unknown or finished
+        one: its ``RequestOutput`` holds them); for streaming them as they come."""
+        with self._lock:
+            request = self.scheduler.live.get(request_id)
+            if request is None:
+                return ()
+            return tuple(request.token_ids[request.prompt_len :])
+
     def has_unfinished(self) -> bool:
         with self._lock:
             return bool(self.scheduler.live) or bool(self._undelivered)

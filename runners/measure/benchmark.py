@@ -234,7 +234,9 @@ def eager_step_peak_bytes(runner: ModelRunner, num_tokens: int) -> int:
     for row, start in enumerate(range(0, num_tokens, per_row)):
         count = min(per_row, num_tokens - start)
         blocks = tuple(
-            range(row * runner.layout.max_blocks_per_row, (row + 1) * runner.layout.max_blocks_per_row)
+            range(
+                row * runner.layout.max_blocks_per_row, (row + 1) * runner.layout.max_blocks_per_row
+            )
         )
         chunks.append(ScheduledChunk(row=row, block_ids=blocks, start_position=0, num_tokens=count))
         ids.append([(3 * i + row) % runner.vocab_size for i in range(count)])
