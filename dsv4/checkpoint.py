@@ -6,9 +6,12 @@ official DeepSeek names (``layers.0.attn.wq_a.weight``, per-expert ``ffn.experts
 sub-names under a ``model.`` prefix); all are mapped to one canonical (Hugging Face) name.
 Multi-token-prediction tensors (``mtp.*``) are skipped, as the reference does.
 
-Loading is strict: a missing, unexpected or mis-shaped tensor, a quantised tensor (fp8/fp4 data
-or its scale) or an unreadable file raises ``CheckpointError`` naming the tensor and file; the
-model is only returned when every parameter and persistent buffer was filled. Values are checked
+Loading is strict: a missing, unexpected or mis-shaped tensor or an unreadable file raises
+``CheckpointError`` naming the tensor and file; the model is only returned when every parameter
+and persistent buffer was filled. The published quantized layout (``config.json`` with a
+``quantization_config``: FP8 block linears, MXFP4 or FP8 experts) is read by
+``dsv4.quantized_loading`` (weight-only or dequantized, ``quantization=``); quantized bytes or
+scales in a checkpoint without that config are refused. Values are checked
 too, since a bad one would otherwise surface as garbage tokens (NaN weights decode to token 0) or
 as an indexing failure deep inside a graph capture: ``TensorValueError`` names the tensor, the
 file, the first bad value and what was expected when a floating tensor holds NaN or inf once in
@@ -115,11 +118,10 @@ def _read(path: Path, key: str, expected: torch.Tensor) -> torch.Tensor:
         dtype, shape = piece.get_dtype(), tuple(piece.get_shape())
         allowed = _FLOAT_DTYPES if expected.is_floating_point() else _INT_DTYPES
         if dtype not in allowed:
-            quantised = dtype.startswith(("F8", "F4", "F6", "U8", "I8"))
-            kind = "quantised (fp8/fp4) " if quantised else ""
+            quantized = dtype.startswith(("F8", "F4", "F6", "U8", "I8"))
+            why = " (quantized, but config.json has no quantization_config)" if quantized else ""
             raise CheckpointError(
-                f"tensor {key!r} in {path.name} is {kind}{dtype}; expected one of "
-                f"{sorted(allowed)} (quantised checkpoints are not supported: dequantise first)"
+                f"tensor {key!r} in {path.name} is {dtype}{why}; expected one of {sorted(allowed)}"
             )
         if shape != tuple(expected.shape):
             raise CheckpointError(
@@ -197,18 +199,39 @@ def load_checkpoint(
     *,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    quantization: str = "auto",
 ) -> DeepseekV4ForCausalLM:
-    """Build the model described by ``directory/config.json`` and fill it from its safetensors."""
+    """Build the model described by ``directory/config.json`` and fill it from its safetensors.
+
+    ``dtype`` is the compute dtype (``dsv4.dtypes``: the fp32-kept parameters stay float32).
+    The parameters are allocated once, uninitialised, in their final dtypes, and each tensor is
+    converted once, from the file straight into its parameter's dtype (never through a float32
+    copy of the model).
+
+    ``quantization`` (``auto``, ``weight-only``, ``dequantize``) is how a quantized checkpoint
+    loads (``dsv4.quantized_loading``; ``auto`` is weight-only); a plain one ignores it."""
+    from dsv4.quantized_loading import load_quantized, plan_quantized  # it imports this module
+
     directory = Path(directory)
     config = load_config(directory)
-    model = DeepseekV4ForCausalLM(config, device=device, dtype=dtype)
+    model = DeepseekV4ForCausalLM(config, device=device, dtype=dtype, initialize=False)
     targets = dict(model.state_dict(keep_vars=True))
     if config.tie_word_embeddings:
         targets.pop("lm_head.weight")
     sources: dict[str, tuple[Path, str] | torch.Tensor] = {}
     pieces: dict[str, dict[tuple[int, str], tuple[Path, str]]] = {}
-    for path, key in _tensors(directory):
-        if _SKIPPED.search(key):
+    entries = _tensors(directory)
+    plan = plan_quantized(
+        directory,
+        entries,
+        targets,
+        mode=quantization,
+        num_experts=config.n_routed_experts,
+        tied=config.tie_word_embeddings,
+    )
+    claimed = plan.claimed if plan is not None else frozenset()
+    for path, key in entries:
+        if _SKIPPED.search(key) or key in claimed:
             continue
         name = canonical_name(key)
         piece = _EXPERT_PIECE.match(name)
@@ -221,18 +244,22 @@ def load_checkpoint(
             continue
         elif _QUANT_SCALE.search(key):
             raise CheckpointError(
-                f"tensor {key!r} in {path.name} is a quantisation scale: quantised (fp8/fp4) "
-                "checkpoints are not supported, dequantise to bf16 or fp32 first"
+                f"tensor {key!r} in {path.name} is a quantization scale, but config.json has no "
+                "quantization_config"
             )
         else:
             raise CheckpointError(f"unexpected tensor {key!r} in {path.name}")
     sources.update(_merge_experts(directory, pieces, targets, config.n_routed_experts))
-    missing = [name for name in targets if name not in sources]
+    provided = plan.provides if plan is not None else frozenset()
+    missing = [name for name in targets if name not in sources and name not in provided]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"checkpoint {directory} is missing tensor {missing[0]!r}{more}")
     with torch.no_grad():
+        filled = load_quantized(model, plan, targets) if plan is not None else set()
         for name, target in targets.items():
+            if name in filled:
+                continue
             source = sources[name]
             if isinstance(source, torch.Tensor):
                 target.copy_(source)

@@ -40,6 +40,7 @@ __all__ = [
     "UnsupportedArchitectureError",
     "architecture_of",
     "checkpoint_architecture",
+    "checkpoint_dtype_name",
     "config_from_hf_dict",
     "config_to_hf_dict",
     "load_config",
@@ -275,6 +276,20 @@ def checkpoint_architecture(directory: str | Path) -> str:
     except ConfigError:
         return ARCHITECTURE
     return architecture_of(raw) if isinstance(raw, dict) else ARCHITECTURE
+
+
+def checkpoint_dtype_name(directory: str | Path) -> str | None:
+    """The dtype the checkpoint's ``config.json`` declares: ``torch_dtype``, or ``dtype`` as
+    transformers 5 writes it; ``None`` when neither is a string or the file is missing or
+    unreadable (left for loading to report)."""
+    try:
+        raw = _read_json(Path(directory) / CONFIG_FILE)
+    except ConfigError:
+        return None
+    if not isinstance(raw, dict):
+        return None
+    names = (raw.get(key) for key in ("torch_dtype", "dtype"))
+    return next((name for name in names if isinstance(name, str)), None)
 
 
 def save_config(directory: str | Path, config: DeepseekV4Config) -> Path:

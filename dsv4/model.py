@@ -12,9 +12,12 @@ model may be driven by several runners in turn. Padded tokens (slot -1) give fin
 write nothing.
 
 Inference only: parameters do not require gradients (so cache writes never record autograd
-history). Dtypes: parameters take the requested dtype except those the reference keeps in fp32
-(norm weights, hyper-connection parameters, sinks, position biases); the router bias, RoPE
-frequencies and the compressor gate state stay fp32 too.
+history). Dtypes: the model computes in its ``compute_dtype`` (the dtype it was built with: the
+embeddings', so every activation and the KV caches the runners allocate); parameters take it
+except those transformers keeps in fp32 whatever the dtype (``dsv4.dtypes.keeps_float32``:
+hyper-connections, sinks, position biases, the router correction bias, every norm weight); RoPE
+frequencies and the compressor gate state stay fp32 too. Built with ``initialize=False`` (for
+loaders), parameters are allocated once, uninitialised, directly in those dtypes.
 """
 
 from __future__ import annotations
@@ -24,22 +27,15 @@ from torch import nn
 
 from dsv4.attention import DeepseekV4Attention
 from dsv4.config import DeepseekV4Config
+from dsv4.dtypes import KEEP_IN_FP32_MODULES, keeps_float32, parameter_dtype
 from dsv4.hyper import HyperConnection, HyperHead, mix
 from dsv4.layers import RMSNorm, read_rows
+from dsv4.materialize import materialize_parameters_, parameters_on_meta
 from dsv4.moe import MoE
 
 __all__ = ["FP32_PARAMETER_MARKERS", "DeepseekV4ForCausalLM", "DeepseekV4Model"]
 
-FP32_PARAMETER_MARKERS = (
-    "attn_hc.",
-    "ffn_hc.",
-    "hc_head.",
-    "sinks",
-    "position_bias",
-    "e_score_correction_bias",
-    "norm.weight",
-    "layernorm.weight",
-)
+FP32_PARAMETER_MARKERS = KEEP_IN_FP32_MODULES
 """Substrings of parameter names kept in fp32 whatever the model dtype (as the reference)."""
 
 
@@ -106,18 +102,39 @@ class DeepseekV4ForCausalLM(nn.Module):
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        initialize: bool = True,
     ) -> None:
+        """``dtype``: the compute dtype (any floating dtype). ``initialize=False`` leaves every
+        parameter uninitialised, allocated once in its final dtype on ``device`` (never a float32
+        copy first): for loaders that fill every parameter."""
+        if not dtype.is_floating_point:
+            raise ValueError(f"the compute dtype must be a floating dtype, not {dtype}")
         super().__init__()
         self.config = config
+        if initialize:
+            self._build(config)
+            self.requires_grad_(False)
+            self.to(device=device)
+            for name, parameter in self.named_parameters():
+                if not keeps_float32(name):
+                    parameter.data = parameter.data.to(dtype)
+        else:
+            with parameters_on_meta():
+                self._build(config)
+            materialize_parameters_(self, device, lambda name: parameter_dtype(name, dtype))
+            self.to(device=device)
+
+    def _build(self, config: DeepseekV4Config) -> None:
         self.model = DeepseekV4Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.requires_grad_(False)
-        self.to(device=device)
-        for name, parameter in self.named_parameters():
-            if not any(marker in name for marker in FP32_PARAMETER_MARKERS):
-                parameter.data = parameter.data.to(dtype)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype activations and KV caches are in: the token embeddings' (every activation
+        starts as rows of them), whatever the fp32-kept parameters are."""
+        return self.model.embed_tokens.weight.dtype
 
     def attention_layers(self) -> list[DeepseekV4Attention]:
         return [module for module in self.modules() if isinstance(module, DeepseekV4Attention)]

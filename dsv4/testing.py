@@ -108,7 +108,7 @@ def run_schedule(
         num_blocks=len(pool),
         block_size=block_size,
         device=device,
-        dtype=next(model.parameters()).dtype,
+        dtype=model.compute_dtype,
     )
 
     done = [0] * len(prompts)

@@ -78,6 +78,12 @@ class Platform(abc.ABC):
         """Why ``is_available()`` is false, in words a person can act on."""
         return f"no {self.device_type} device is usable by this build of torch"
 
+    def unsupported_dtype_reason(self, dtype: torch.dtype) -> str | None:
+        """Why the device cannot compute a model in ``dtype`` (a device-part question: a
+        simulated platform answers as the CPU does), or ``None`` when it can. The default
+        answers ``None``: torch computes float32, bfloat16 and float16 on every device type."""
+        return None
+
     # -- device part -------------------------------------------------------------------------------
     device_type: str
     """The torch device type tensors live on (ROCm builds of torch also report ``cuda``)."""

@@ -15,7 +15,7 @@ from graphs.backend import GraphBackend
 from graphs.strategies import FullGraph
 from platforms.base import Platform
 
-__all__ = ["CudaPlatform", "cuda_graph_backend", "cuda_graph_pool"]
+__all__ = ["CudaPlatform", "cuda_graph_backend", "cuda_graph_pool", "gpu_dtype_reason"]
 
 
 def cuda_graph_pool() -> Any:
@@ -30,6 +30,14 @@ def cuda_graph_backend(device: torch.device, pool: Any) -> GraphBackend:
     from graphs.cuda_backend import CudaGraphBackend
 
     return CudaGraphBackend(device=device, pool=pool)
+
+
+def gpu_dtype_reason(dtype: torch.dtype) -> str | None:
+    """Why the current GPU cannot compute in ``dtype`` (bfloat16 needs native support: CUDA
+    compute capability 8.0 or newer, or a ROCm GPU that has it); ``None`` when it can."""
+    if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
+        return f"{torch.cuda.get_device_name()} has no native bfloat16 support"
+    return None
 
 
 class CudaPlatform(Platform):
@@ -50,6 +58,9 @@ class CudaPlatform(Platform):
         if torch.version.hip is not None:
             return "this torch is a ROCm build; use the rocm platform"
         return "torch sees no CUDA GPU"
+
+    def unsupported_dtype_reason(self, dtype: torch.dtype) -> str | None:
+        return gpu_dtype_reason(dtype) if self.is_available() else None
 
     def create_memory_pool(self) -> Any:
         return cuda_graph_pool()

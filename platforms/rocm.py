@@ -15,7 +15,7 @@ import torch
 from graphs.backend import GraphBackend
 from graphs.strategies import FullGraph
 from platforms.base import Platform
-from platforms.cuda import cuda_graph_backend, cuda_graph_pool
+from platforms.cuda import cuda_graph_backend, cuda_graph_pool, gpu_dtype_reason
 
 __all__ = ["RocmPlatform"]
 
@@ -44,6 +44,9 @@ class RocmPlatform(Platform):
         if torch.version.hip is None:
             return "this torch is not a ROCm (HIP) build"
         return "torch sees no ROCm GPU"
+
+    def unsupported_dtype_reason(self, dtype: torch.dtype) -> str | None:
+        return gpu_dtype_reason(dtype) if self.is_available() else None
 
     def create_memory_pool(self) -> Any:
         return cuda_graph_pool()

@@ -47,6 +47,7 @@ class SimulatedPlatform(Platform):
     device = Platform.device
     graph_backend = Platform.graph_backend
     require_available = Platform.require_available
+    unsupported_dtype_reason = Platform.unsupported_dtype_reason
 
     def __getattribute__(self, attr: str) -> Any:
         if attr == "platform" or attr.startswith("__") or attr in vars(SimulatedPlatform):

@@ -10,6 +10,8 @@ It returns the logits of each chunk's last token. A runner satisfies the engine'
 Invariants:
 - ``input_ids`` and ``positions`` are persistent buffers sized to the token budget; every step
   (eager, capture or replay) reads slices of them, so captured work reads them at fixed addresses.
+- The paged KV caches are in the model's ``compute_dtype`` (never the dtype of whichever
+  parameter comes first: some stay float32 in every dtype).
 - The runner owns the paged KV caches and its eager region; the model keeps neither. Both reach
   the model through the forward context, with the step's metadata, for exactly one step (every
   eager step and every capture), so runners over one shared model may run in turn.
@@ -117,7 +119,7 @@ class ModelRunner(abc.ABC):
             num_blocks=layout.num_blocks,
             block_size=layout.block_size,
             device=self.device,
-            dtype=next(model.parameters()).dtype,
+            dtype=model.compute_dtype,
         )
         self.static_memory = static_memory(
             model,

@@ -10,6 +10,7 @@ __all__ = [
     "UnknownModeError",
     "UnknownRunnerError",
     "UnsafeRegionError",
+    "UnsupportedDtypeError",
 ]
 
 
@@ -32,6 +33,12 @@ class UnknownEagerRegionError(ResolutionError):
 class UnsafeRegionError(ResolutionError):
     """An eager region narrower than the platform, runner and mode require, without the unsafe
     flag. Capturing it would replay metadata-dependent work against stale memory."""
+
+
+class UnsupportedDtypeError(ValueError):
+    """A compute dtype the platform's device cannot compute in (a bad ``--dtype``, or the
+    checkpoint's ``torch_dtype`` under ``auto``): the message names the dtype, the reason and
+    the choices."""
 
 
 class CaptureSizeError(ValueError):

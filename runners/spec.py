@@ -7,9 +7,12 @@ chose, over a given model. The CLI, the cross-strategy property suite and the pl
 conformance kit all build engines this way, so they exercise exactly what users run.
 
 Invariants:
-- The resolution is computed before anything is allocated: a refused region, an unknown name or
-  a checkpoint of an architecture this library does not implement fails fast, with nothing
+- The resolution is computed before anything is allocated: a refused region, an unknown name,
+  a checkpoint of an architecture this library does not implement or a compute dtype the
+  platform's device cannot compute in (``UnsupportedDtypeError``) fails fast, with nothing
   half-built.
+- The model is built in ``spec.dtype`` (``compute_dtype_of``); the runner's KV caches follow the
+  model's ``compute_dtype``, so an engine over a given model runs in that model's dtype.
 - Building changes nothing in the model but its device (``build_engine`` moves it to the
   platform's): each runner owns its caches and eager region and hands them to the model in every
   step's forward context. So a model may be shared by several engines on one device
@@ -22,9 +25,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import attrs
+import torch
 
 from dsv4 import DeepseekV4Config, DeepseekV4ForCausalLM, load_checkpoint
 from dsv4.config import ARCHITECTURE
+from dsv4.dtypes import COMPUTE_DTYPES, DTYPE_CHOICES, dtype_name, resolve_dtype
 from dsv4.hf_config import checkpoint_architecture
 from dsv4.weights import randomize_
 from graphs.audit import AuditMode
@@ -32,6 +37,7 @@ from platforms import Platform, current_platform, get_platform, simulate
 from runners.base import ModelRunner
 from runners.batch import DEFAULT_CAPTURE_SIZES
 from runners.engine import LLM
+from runners.errors import UnsupportedDtypeError
 from runners.layout import CacheLayout
 from runners.resolution import Resolution, resolve
 
@@ -43,6 +49,8 @@ __all__ = [
     "build_engine",
     "build_model",
     "build_runner",
+    "compute_dtype_of",
+    "require_dtype",
     "resolve_platform",
     "resolve_spec",
 ]
@@ -58,6 +66,9 @@ class EngineSpec:
     """Hugging Face-layout checkpoint; ``None`` for the built-in tiny model."""
     builtin_seed: int = 0
     """Weight seed of the built-in tiny model."""
+    dtype: str = attrs.field(default="auto", validator=attrs.validators.in_(DTYPE_CHOICES))
+    """Compute dtype: ``auto`` (the checkpoint's ``torch_dtype``; float32 for the built-in model
+    or when absent), ``float32``, ``bfloat16`` or ``float16`` (``dsv4.dtypes``)."""
     platform: str | Platform | None = None
     """A platform object or registered name; ``None`` for the current platform."""
     simulate: bool = False
@@ -71,6 +82,9 @@ class EngineSpec:
     """Tokens one step may carry (the persistent buffers' size and the engine's token budget)."""
     layout: CacheLayout = DEFAULT_LAYOUT
     audit: AuditMode = "raise"
+    quantization: str = "auto"
+    """How a quantized checkpoint loads: ``auto`` (weight-only), ``weight-only`` or
+    ``dequantize`` (``load_checkpoint``); a plain checkpoint and the built-in model ignore it."""
 
 
 @attrs.frozen(kw_only=True)
@@ -91,12 +105,19 @@ def resolve_platform(name: str | Platform | None, *, simulated: bool) -> Platfor
     return simulate(platform) if simulated else platform
 
 
+def compute_dtype_of(spec: EngineSpec) -> torch.dtype:
+    """The compute dtype ``spec.dtype`` stands for (``auto``: the checkpoint's ``torch_dtype``)."""
+    return resolve_dtype(spec.dtype, spec.checkpoint)
+
+
 def build_model(spec: EngineSpec) -> DeepseekV4ForCausalLM:
-    """Load ``spec.checkpoint``, or build the built-in tiny model with fixed-seed weights."""
+    """Load ``spec.checkpoint``, or build the built-in tiny model with fixed-seed weights, in
+    the compute dtype ``spec.dtype`` stands for."""
+    dtype = compute_dtype_of(spec)
     if spec.checkpoint is not None:
-        return load_checkpoint(spec.checkpoint)
+        return load_checkpoint(spec.checkpoint, dtype=dtype, quantization=spec.quantization)
     config = DeepseekV4Config.tiny()
-    model = DeepseekV4ForCausalLM(config)
+    model = DeepseekV4ForCausalLM(config, dtype=dtype)
     randomize_(model, spec.builtin_seed, num_experts=config.n_routed_experts)
     return model
 
@@ -128,6 +149,7 @@ def build_engine(spec: EngineSpec, *, model: DeepseekV4ForCausalLM | None = None
     resolution = resolve_spec(spec)
     platform = resolution.platform
     platform.require_available()
+    require_dtype(platform, compute_dtype_of(spec) if model is None else model.compute_dtype)
     if model is None:
         model = build_model(spec)
     runner = build_runner(
@@ -139,6 +161,16 @@ def build_engine(spec: EngineSpec, *, model: DeepseekV4ForCausalLM | None = None
         audit=spec.audit,
     )
     return Engine(resolution=resolution, runner=runner, llm=LLM(runner))
+
+
+def require_dtype(platform: Platform, dtype: torch.dtype) -> None:
+    """Raise ``UnsupportedDtypeError`` unless ``platform``'s device computes in ``dtype``."""
+    reason = platform.unsupported_dtype_reason(dtype)
+    if reason is not None:
+        raise UnsupportedDtypeError(
+            f"platform {platform.name} cannot compute in {dtype_name(dtype)}: {reason}; "
+            f"choose another compute dtype (--dtype {'|'.join(COMPUTE_DTYPES)})"
+        )
 
 
 def build_runner(

@@ -21,7 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from runners.cli.errors import UsageError
-from runners.cli.options import PLATFORM_HELP, SIMULATE_HELP, parse_positive_int_list
+from runners.cli.options import (
+    PLATFORM_HELP,
+    SIMULATE_HELP,
+    add_dtype_option,
+    add_quantization_option,
+    parse_positive_int_list,
+)
 from runners.cli.progress import Progress
 from runners.cli.values import at_least
 from runners.measure.suite import BenchOptions, run_benchmark
@@ -32,6 +38,8 @@ __all__ = ["add_arguments", "execute", "render"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", metavar="DIR", help="default: the built-in tiny model")
+    add_dtype_option(parser)
+    add_quantization_option(parser)
     parser.add_argument("--platform", help=PLATFORM_HELP)
     parser.add_argument("--simulate", action="store_true", help=SIMULATE_HELP)
     parser.add_argument(
@@ -75,6 +83,8 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
     progress = Progress.for_terminal(json_output=args.json)
     base = EngineSpec(
         checkpoint=Path(args.checkpoint) if args.checkpoint else None,
+        quantization=args.quantization,
+        dtype=args.dtype,
         platform=args.platform,
         simulate=args.simulate,
     )

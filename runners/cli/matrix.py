@@ -21,7 +21,13 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from runners.cli.options import SIMULATE_HELP, parse_positive_int_list, parse_token_ids
+from runners.cli.options import (
+    SIMULATE_HELP,
+    add_dtype_option,
+    add_quantization_option,
+    parse_positive_int_list,
+    parse_token_ids,
+)
 from runners.cli.progress import Progress
 from runners.cli.values import at_least, non_negative_float
 from runners.measure.matrix import MatrixOptions, run_matrix
@@ -31,6 +37,8 @@ __all__ = ["add_arguments", "execute", "exit_code", "render"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", metavar="DIR", help="default: the built-in tiny model")
+    add_dtype_option(parser)
+    add_quantization_option(parser)
     parser.add_argument(
         "--platform",
         action="append",
@@ -85,6 +93,8 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
     progress = Progress.for_terminal(json_output=args.json)
     options = MatrixOptions(
         checkpoint=Path(args.checkpoint) if args.checkpoint else None,
+        quantization=args.quantization,
+        dtype=args.dtype,
         platforms=tuple(args.platform or ()),
         simulate=args.simulate,
         unsafe_region=args.unsafe_region,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from dsv4.dtypes import DTYPE_CHOICES
 from graphs import STRATEGIES
 from runners.cli.errors import UsageError
 from runners.cli.values import at_least
@@ -11,13 +12,17 @@ from runners.modes import CUDAGraphMode
 from runners.resolution import RUNNERS
 
 __all__ = [
+    "DTYPE_CHOICES",
     "EAGER_REGION_CHOICES",
     "MODE_CHOICES",
     "PLATFORM_HELP",
+    "QUANTIZATION_CHOICES",
     "RUNNER_CHOICES",
     "SIMULATE_HELP",
+    "add_dtype_option",
     "add_model_options",
     "add_policy_options",
+    "add_quantization_option",
     "parse_int_list",
     "parse_positive_int_list",
     "parse_prompts",
@@ -29,6 +34,7 @@ MODE_CHOICES = ("auto", *(mode.name for mode in CUDAGraphMode))
 EAGER_REGION_CHOICES = ("auto", *(region.name for region in STRATEGIES))
 PLATFORM_HELP = "platform name (cuda, rocm, cpu or a plugin's); default: the current platform"
 SIMULATE_HELP = "run the platform's policy on the CPU with the tape backend"
+QUANTIZATION_CHOICES = ("auto", "weight-only", "dequantize")
 
 
 def add_policy_options(parser: argparse.ArgumentParser, *, platform_required: bool) -> None:
@@ -74,6 +80,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         "default: the built-in tiny model with fixed-seed weights",
     )
     group.add_argument("--simulate", action="store_true", help=SIMULATE_HELP)
+    add_dtype_option(group)
+    add_quantization_option(group)
     group.add_argument(
         "--capture-sizes",
         type=parse_positive_int_list,
@@ -86,6 +94,30 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         type=at_least(1),
         default=None,
         help="torch CPU threads (default: 1 up to hidden size 512, else one per core)",
+    )
+
+
+def add_dtype_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--dtype``: the compute dtype (``EngineSpec.dtype``; choices from ``dsv4.dtypes``)."""
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help="compute dtype of activations, KV caches and weights (the weights transformers "
+        "keeps in float32 stay float32); default: auto = the checkpoint's torch_dtype "
+        "(float32 for the built-in model or when config.json has none)",
+    )
+
+
+def add_quantization_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--quantization``: how a quantized checkpoint loads (``EngineSpec.quantization``)."""
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=QUANTIZATION_CHOICES,
+        help="a quantized (FP8/MXFP4) checkpoint's weights: weight-only keeps the quantized "
+        "bytes resident and dequantizes in each matmul, dequantize expands them at load "
+        "(default: auto = weight-only); a plain checkpoint ignores it",
     )
 
 

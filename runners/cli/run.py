@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from dsv4.dtypes import dtype_name
 from dsv4.generation_config import stop_token_ids
 from dsv4.tokenizer import CheckpointTokenizer
 from runners.cli.errors import UsageError
@@ -99,6 +100,8 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         "cudagraph_mode": args.cudagraph_mode,
         "eager_region": args.eager_region,
         "unsafe_region": args.unsafe_region,
+        "quantization": args.quantization,
+        "dtype": args.dtype,
     }
     if args.capture_sizes is not None:
         fields["capture_sizes"] = tuple(args.capture_sizes)
@@ -182,6 +185,7 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
     }
     payload["byte_level"] = byte_level
     payload["threads"] = threads
+    payload["dtype"] = dtype_name(engine.runner.model.compute_dtype)
     if stream is not None:
         payload["streamed"] = True  # human output only (never with --json): text already shown
     return payload

@@ -113,7 +113,7 @@ class Trace:
 
     resolution: Resolution
     dtype: torch.dtype
-    """The least precise floating-point dtype of the model's parameters."""
+    """The model's compute dtype (activations, KV caches and all but the fp32-kept weights)."""
     outputs: tuple[tuple[int, ...], ...]
     steps: tuple[tuple[StepKey, torch.Tensor], ...]
     num_graphs: int
@@ -150,18 +150,12 @@ def run_trace(
     outputs = llm.generate(prompts, params)
     return Trace(
         resolution=engine.resolution,
-        dtype=_floating_dtype(model),
+        dtype=model.compute_dtype,
         outputs=tuple(o.output_ids for o in outputs),
         steps=tuple(recorder.steps),
         num_graphs=engine.runner.num_graphs,
         num_eager_breaks=engine.runner.num_eager_breaks,
     )
-
-
-def _floating_dtype(model: DeepseekV4ForCausalLM) -> torch.dtype:
-    """The least precise floating-point dtype among the model's parameters (float32 if none)."""
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    return max(dtypes, key=lambda d: torch.finfo(d).eps, default=torch.float32)
 
 
 def _max_diff(a: Trace, b: Trace) -> float:

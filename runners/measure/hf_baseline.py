@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import torch
 
 from dsv4 import DeepseekV4Config, save_random_checkpoint
 from runners.measure.benchmark import GenerationThroughput
@@ -24,19 +25,26 @@ class BaselineUnavailableError(RuntimeError):
     """``transformers`` is not installed, so the peer comparison cannot run."""
 
 
-def _load(checkpoint: Path | None, builtin_seed: int) -> Any:
+def _load(checkpoint: Path | None, builtin_seed: int, dtype: torch.dtype) -> Any:
+    """transformers' model in ``dtype`` (which keeps its own fp32 modules, as ours does)."""
     try:
         import transformers
     except ImportError:
         raise BaselineUnavailableError(
             "the transformers comparison needs transformers==5.23.0: pip install '.[test]'"
         ) from None
+    if dtype == torch.float16:
+        raise BaselineUnavailableError(
+            "transformers 5.23.0 cannot run DeepSeek-V4 in float16 (it keeps the compressor "
+            "projections in float32 and multiplies them with float16 activations); compare "
+            "in float32 or bfloat16"
+        )
     transformers.utils.logging.disable_progress_bar()
     if checkpoint is not None:
-        return transformers.DeepseekV4ForCausalLM.from_pretrained(checkpoint).eval()
+        return transformers.DeepseekV4ForCausalLM.from_pretrained(checkpoint, dtype=dtype).eval()
     with tempfile.TemporaryDirectory() as tmp:
         save_random_checkpoint(tmp, DeepseekV4Config.tiny(), seed=builtin_seed)
-        return transformers.DeepseekV4ForCausalLM.from_pretrained(tmp).eval()
+        return transformers.DeepseekV4ForCausalLM.from_pretrained(tmp, dtype=dtype).eval()
 
 
 @attrs.frozen(kw_only=True)
@@ -50,8 +58,6 @@ class Baseline:
 
 
 def _uncached_greedy(model: Any, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
-    import torch
-
     ids = list(prompt)
     with torch.inference_mode():
         for _ in range(max_new_tokens):
@@ -65,11 +71,11 @@ def transformers_baseline(
     max_new_tokens: int,
     *,
     builtin_seed: int = 0,
+    dtype: torch.dtype = torch.float32,
 ) -> Baseline:
-    """A timed greedy ``generate`` round over ``prompts`` (one call each), with its tokens."""
-    import torch
-
-    model = _load(checkpoint, builtin_seed)
+    """A timed greedy ``generate`` round over ``prompts`` (one call each), with its tokens,
+    computing in ``dtype`` (the engine's, so both compute alike)."""
+    model = _load(checkpoint, builtin_seed, dtype)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import attrs
 
+from dsv4.dtypes import dtype_name
 from graphs import STRATEGIES
 from platforms import get_platform, platform_names
 from runners.engine import SamplingParams
@@ -29,7 +30,14 @@ from runners.errors import ResolutionError
 from runners.measure.equivalence import Comparison, Trace, judge, run_configuration, run_trace
 from runners.modes import CUDAGraphMode
 from runners.resolution import RUNNERS
-from runners.spec import EngineSpec, build_model, resolve_spec
+from runners.spec import (
+    EngineSpec,
+    build_model,
+    compute_dtype_of,
+    require_dtype,
+    resolve_platform,
+    resolve_spec,
+)
 from runners.threads import apply_threads
 
 __all__ = ["DEFAULT_PROMPTS", "MatrixOptions", "run_matrix"]
@@ -45,6 +53,10 @@ class MatrixOptions:
     """What the matrix covers and how it judges."""
 
     checkpoint: Path | None = None
+    quantization: str = "auto"
+    """How a quantized checkpoint loads (``EngineSpec.quantization``)."""
+    dtype: str = "auto"
+    """The compute dtype (``EngineSpec.dtype``); every platform runs the one model in it."""
     platforms: tuple[str, ...] = ()
     """Platform names; empty for every registered platform."""
     simulate: bool = False
@@ -64,11 +76,16 @@ def run_matrix(options: MatrixOptions, progress: Callable[[str], None]) -> dict[
     sizes = options.capture_sizes
     base = EngineSpec(
         checkpoint=options.checkpoint,
+        quantization=options.quantization,
+        dtype=options.dtype,
         capture_sizes=sizes,
         max_num_tokens=max(64, *sizes),
         unsafe_region=options.unsafe_region,
     )
     platforms = _platforms(options.platforms, simulate=options.simulate)
+    dtype = compute_dtype_of(base)
+    for platform, simulated in platforms:  # refuse before loading anything
+        require_dtype(resolve_platform(platform, simulated=simulated), dtype)
     progress("loading model")
     model = build_model(base)
     apply_threads(options.threads, model.config.hidden_size)
@@ -105,6 +122,7 @@ def run_matrix(options: MatrixOptions, progress: Callable[[str], None]) -> dict[
         "prompts": prompts,
         "max_new_tokens": options.max_new_tokens,
         "capture_sizes": list(sizes),
+        "dtype": dtype_name(model.compute_dtype),
         "unsafe_region": options.unsafe_region,
         "references": [
             _reference_payload(platform, simulated, trace, _atol(options.atol, trace))

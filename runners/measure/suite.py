@@ -17,8 +17,9 @@ from typing import Any
 
 import attrs
 
+from dsv4.dtypes import dtype_name
 from runners.measure.benchmark import GenerationThroughput
-from runners.spec import EngineSpec
+from runners.spec import EngineSpec, compute_dtype_of
 
 __all__ = ["BenchOptions", "run_benchmark"]
 
@@ -43,7 +44,8 @@ def run_benchmark(
     spec = attrs.evolve(base, capture_sizes=tuple(sorted(set(options.batch_sizes) | {16})))
     progress("capturing every default size")
     payload: dict[str, Any] = {
-        "checkpoint": None if base.checkpoint is None else str(base.checkpoint)
+        "checkpoint": None if base.checkpoint is None else str(base.checkpoint),
+        "dtype": dtype_name(compute_dtype_of(base)),
     }
     payload.update(_capture(base))
     payload["method"] = _METHOD
@@ -158,7 +160,9 @@ def _generation(base: EngineSpec, spec: EngineSpec, options: BenchOptions) -> di
     if options.vs_transformers:
         from runners.measure.hf_baseline import transformers_baseline
 
-        baseline = transformers_baseline(base.checkpoint, prompts, options.max_new_tokens)
+        baseline = transformers_baseline(
+            base.checkpoint, prompts, options.max_new_tokens, dtype=compute_dtype_of(base)
+        )
         theirs = baseline.round
         rounds["transformers"] = []
     for _ in range(options.rounds):

@@ -144,7 +144,7 @@ def _poke(
 
 _DTYPES = "expected one of ['BF16', 'F16', 'F32', 'F64']"
 _INTS = "expected one of ['I16', 'I32', 'I64', 'U16', 'U32']"
-_UNSUPPORTED = "(quantised checkpoints are not supported: dequantise first)"
+_UNQUANTIZED = "(quantized, but config.json has no quantization_config)"
 
 BAD_TENSORS: list[tuple[str, Callable[[dict[str, torch.Tensor]], None], str]] = [
     (
@@ -166,20 +166,20 @@ BAD_TENSORS: list[tuple[str, Callable[[dict[str, torch.Tensor]], None], str]] = 
     (
         "fp8",
         _fp8("model.layers.2.attn.wq_a.weight"),
-        "tensor 'model.layers.2.attn.wq_a.weight' in model.safetensors is quantised (fp8/fp4) "
-        f"F8_E4M3; {_DTYPES} {_UNSUPPORTED}",
+        f"tensor 'model.layers.2.attn.wq_a.weight' in model.safetensors is F8_E4M3 {_UNQUANTIZED}; "
+        f"{_DTYPES}",
     ),
     (
         "fp4 packed",
         _set("model.layers.0.ffn.experts.1.w1.weight", torch.zeros(64, 64, dtype=torch.uint8)),
-        "tensor 'model.layers.0.ffn.experts.1.w1.weight' in model.safetensors is quantised "
-        f"(fp8/fp4) U8; {_DTYPES} {_UNSUPPORTED}",
+        "tensor 'model.layers.0.ffn.experts.1.w1.weight' in model.safetensors is U8 "
+        f"{_UNQUANTIZED}; {_DTYPES}",
     ),
     (
         "scale",
         _set("model.layers.0.attn.wkv.scale", torch.ones(1)),
-        "tensor 'model.layers.0.attn.wkv.scale' in model.safetensors is a quantisation scale: "
-        "quantised (fp8/fp4) checkpoints are not supported, dequantise to bf16 or fp32 first",
+        "tensor 'model.layers.0.attn.wkv.scale' in model.safetensors is a quantization scale, but "
+        "config.json has no quantization_config",
     ),
     (
         "missing expert",
@@ -189,8 +189,7 @@ BAD_TENSORS: list[tuple[str, Callable[[dict[str, torch.Tensor]], None], str]] = 
     (
         "float hash table",
         _set("model.layers.0.ffn.gate.tid2eid", torch.zeros(320, 2)),
-        f"tensor 'model.layers.0.ffn.gate.tid2eid' in model.safetensors is F32; {_INTS} "
-        f"{_UNSUPPORTED}",
+        f"tensor 'model.layers.0.ffn.gate.tid2eid' in model.safetensors is F32; {_INTS}",
     ),
     (
         "NaN weight",
