@@ -21,6 +21,7 @@ expert id outside ``0 .. n_routed_experts-1``.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -96,10 +97,33 @@ def canonical_name(name: str) -> str:
     return bare if bare.startswith("lm_head.") else f"model.{bare}"
 
 
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _shards(directory: Path) -> list[Path]:
+    """The checkpoint's safetensors files: those ``model.safetensors.index.json`` names (each
+    must exist) when there is one, else every ``*.safetensors`` of the directory."""
+    index = directory / INDEX_FILE
+    if not index.is_file():
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"no *.safetensors files in checkpoint directory {directory}")
+        return files
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"cannot read {INDEX_FILE} in {directory}: {exc}") from None
+    for name in names:
+        if not (directory / name).is_file():
+            raise CheckpointError(
+                f"shard {name!r} named by {INDEX_FILE} is missing from {directory}"
+            )
+    return [directory / name for name in names]
+
+
 def _tensors(directory: Path) -> list[tuple[Path, str]]:
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors files in checkpoint directory {directory}")
+    files = _shards(directory)
     entries: list[tuple[Path, str]] = []
     for path in files:
         try:

@@ -20,6 +20,7 @@ written for another model is never run as DeepSeek-V4. A checkpoint directory wi
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -81,14 +82,21 @@ _FLOAT_FIELDS = (
 )
 
 # Fields the reference reads whose other values this model does not implement.
-_FIXED = {
+_FIXED = {"mlp_bias": False, "hidden_act": "silu"}
+
+# Fields the reference accepts and then ignores: its model is the same whatever they say (one KV
+# head, one shared expert, renormalised top-k weights, no attention bias). Other values are
+# accepted with one warning, as transformers accepts them.
+_IGNORED_BY_REFERENCE = {
     "num_key_value_heads": 1,
     "n_shared_experts": 1,
     "norm_topk_prob": True,
     "attention_bias": False,
-    "mlp_bias": False,
-    "hidden_act": "silu",
 }
+
+
+class IgnoredConfigFieldWarning(UserWarning):
+    """A ``config.json`` field the model ignores, as transformers' DeepSeek-V4 does."""
 
 
 def _int(raw: Mapping[str, Any], key: str) -> int:
@@ -174,6 +182,19 @@ def config_from_hf_dict(raw: Mapping[str, Any]) -> DeepseekV4Config:
     for key, expected in _FIXED.items():
         if key in raw and raw[key] is not None and raw[key] != expected:
             raise ConfigError(f"{key}={raw[key]!r} is not supported (only {expected!r})")
+    ignored = [
+        f"{key}={raw[key]!r}"
+        for key, default in _IGNORED_BY_REFERENCE.items()
+        if raw.get(key) is not None and raw[key] != default
+    ]
+    if ignored:
+        warnings.warn(
+            IgnoredConfigFieldWarning(
+                f"config fields {', '.join(ignored)} are ignored, as transformers' DeepSeek-V4 "
+                "ignores them (its model is the same whatever they say)"
+            ),
+            stacklevel=2,
+        )
     fields: dict[str, Any] = {k: _int(raw, k) for k in _INT_FIELDS if raw.get(k) is not None}
     fields.update({k: _float(raw, k) for k in _FLOAT_FIELDS if raw.get(k) is not None})
     n = fields.get("num_hidden_layers", 43)
@@ -235,6 +256,7 @@ def config_to_hf_dict(config: DeepseekV4Config) -> dict[str, Any]:
     rotary = config.partial_rotary_factor
     out.update({k: getattr(config, k) for k in _INT_FIELDS + _FLOAT_FIELDS})
     out.update(_FIXED)
+    out.update(_IGNORED_BY_REFERENCE)
     eos = config.eos_token_id
     out.update(
         layer_types=list(config.layer_types),

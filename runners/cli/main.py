@@ -9,8 +9,10 @@ prints the payload or its rendering and turns every failure into one line on std
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
+import warnings
 from collections.abc import Sequence
 from types import ModuleType
 from typing import NoReturn
@@ -70,6 +72,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``dsv4`` command line; return the process exit code."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     command_name = args_list[0] if args_list and not args_list[0].startswith("-") else ""
+    with warnings.catch_warnings():
+        warnings.showwarning = functools.partial(_warning_line, command_name)
+        return _run(command_name, args_list)
+
+
+def _warning_line(command: str, message: Warning | str, *args: object, **kwargs: object) -> None:
+    """A warning as one line on stderr (``dsv4 run: warning: ...``), never a source excerpt."""
+    prefix = f"dsv4 {command}" if command else "dsv4"
+    print(f"{prefix}: warning: {message}", file=sys.stderr)
+
+
+def _run(command_name: str, args_list: list[str]) -> int:
     try:
         args = build_parser().parse_args(args_list)
         if args.command is None:
