@@ -1,4 +1,5 @@
-"""Progress lines go to stderr only when stderr is a terminal: never into redirected logs."""
+"""Progress lines go to stderr only when stderr is a terminal (never into redirected logs); help
+texts say what is true."""
 
 from __future__ import annotations
 
@@ -39,3 +40,13 @@ def test_progress_on_a_terminal_rewrites_one_line(monkeypatch: pytest.MonkeyPatc
     progress.done("captured")
     assert stderr.getvalue().startswith("\r\033[Kcapturing graphs [")
     assert stderr.getvalue().endswith("]\n")
+
+
+def test_explain_help_says_the_platform_is_required(capsys: pytest.CaptureFixture[str]) -> None:
+    from runners.cli.main import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["explain", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--platform PLATFORM platform name (cuda, rocm, cpu or a plugin's); required" in text
+    assert "default: the current platform" not in text
