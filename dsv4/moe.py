@@ -25,7 +25,7 @@ from torch import nn
 from dsv4.config import DeepseekV4Config
 from dsv4.layers import as_dtype, read_rows
 
-__all__ = ["MoE", "SharedExpert"]
+__all__ = ["ExpertFormulations", "Experts", "MoE", "SharedExpert"]
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -44,25 +44,33 @@ class SharedExpert(nn.Module):
         return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
-class Experts(nn.Module):
-    """Stacked expert weights: ``gate_up_proj [E, 2I, hidden]`` (gate rows first), ``down_proj``."""
+class ExpertFormulations(nn.Module):
+    """The two static formulations of routed SwiGLU experts over stacked weights
+    ``gate_up [E, 2I, hidden]`` (gate rows first) and ``down [E, hidden, I]``.
 
-    def __init__(
-        self, num_experts: int, hidden_size: int, intermediate_size: int, limit: float
-    ) -> None:
-        super().__init__()
-        self.limit = limit
-        self.gate_up_proj = nn.Parameter(
-            torch.zeros(num_experts, 2 * intermediate_size, hidden_size)
-        )
-        self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden_size, intermediate_size))
+    A subclass says how its weights are read: ``_stacks()`` gives both whole stacks (the
+    every-expert formulation), ``_chosen_rows(experts)`` the chosen experts' rows
+    ``[T, k, ...]`` (the gathered formulation); ``limit`` is the SwiGLU clamp. Plain and
+    quantized experts share every other line, so they compute the same way by construction.
+    """
+
+    limit: float
+
+    def _stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _chosen_rows(self, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _num_experts(self) -> int:
+        raise NotImplementedError
 
     def forward(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """``x [T, hidden]``, chosen ``experts [T, k]`` and their ``weights`` -> ``[T, hidden]``."""
         tokens, k = experts.shape
-        if self.gate_up_proj.shape[0] <= 2 * tokens * k:
+        if self._num_experts() <= 2 * tokens * k:
             out = self._chosen_of_all(x, experts)
         else:
             out = self._on_gathered_weights(x, experts)
@@ -75,20 +83,45 @@ class Experts(nn.Module):
         weight row streams once against all ``T`` tokens; with MKL on a CPU this also picks a
         faster kernel than ``x @ W^T`` once ``E * 2I`` is in the thousands.
         """
-        num_experts, double_inter, hidden_size = self.gate_up_proj.shape
-        gate_up = torch.mm(self.gate_up_proj.flatten(0, 1), x.t())
+        gate_up_stack, down_stack = self._stacks()
+        num_experts, double_inter, hidden_size = gate_up_stack.shape
+        gate_up = torch.mm(gate_up_stack.flatten(0, 1), x.t())
         gate, up = gate_up.view(num_experts, double_inter, -1).chunk(2, dim=1)
         hidden = _swiglu(gate, up, self.limit)  # [E, I, T]
-        out = torch.bmm(self.down_proj, hidden)  # [E, hidden, T]
+        out = torch.bmm(down_stack, hidden)  # [E, hidden, T]
         index = experts.unsqueeze(-1).expand(*experts.shape, hidden_size)
         return out.permute(2, 0, 1).gather(1, index)
 
     def _on_gathered_weights(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Each token on its chosen experts' gathered weights: ``[T, k, hidden]``."""
-        gate_up = torch.einsum("tkoh,th->tko", read_rows(self.gate_up_proj, experts), x)
+        gate_up_rows, down_rows = self._chosen_rows(experts)
+        gate_up = torch.einsum("tkoh,th->tko", gate_up_rows, x)
         gate, up = gate_up.chunk(2, dim=-1)
         hidden = _swiglu(gate, up, self.limit)
-        return torch.einsum("tkhi,tki->tkh", read_rows(self.down_proj, experts), hidden)
+        return torch.einsum("tkhi,tki->tkh", down_rows, hidden)
+
+
+class Experts(ExpertFormulations):
+    """Stacked expert weights: ``gate_up_proj [E, 2I, hidden]`` (gate rows first), ``down_proj``."""
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, limit: float
+    ) -> None:
+        super().__init__()
+        self.limit = limit
+        self.gate_up_proj = nn.Parameter(
+            torch.zeros(num_experts, 2 * intermediate_size, hidden_size)
+        )
+        self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden_size, intermediate_size))
+
+    def _num_experts(self) -> int:
+        return self.gate_up_proj.shape[0]
+
+    def _stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate_up_proj, self.down_proj
+
+    def _chosen_rows(self, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return read_rows(self.gate_up_proj, experts), read_rows(self.down_proj, experts)
 
 
 class Router(nn.Module):

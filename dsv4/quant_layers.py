@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv4.layers import GroupedLinear, as_dtype
-from dsv4.moe import Experts
+from dsv4.layers import GroupedLinear
+from dsv4.moe import ExpertFormulations, Experts
 from dsv4.quant_formats import QuantizationError, QuantizedTensor, dequantize, fp4_pair_table
 
 __all__ = [
@@ -163,13 +163,10 @@ def _select(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return table.view(torch.uint8).index_select(0, index).view(table.dtype)
 
 
-def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
-
-
-class QuantizedExperts(nn.Module):
+class QuantizedExperts(ExpertFormulations):
     """``dsv4.moe.Experts`` over quantized stacks ``gate_up_proj [E, 2I, hidden]`` (gate rows
-    first) and ``down_proj [E, hidden, I]``; same forward contract and formulations."""
+    first) and ``down_proj [E, hidden, I]``: the same formulations (``ExpertFormulations``),
+    reading dequantized stacks or only the chosen experts' dequantized rows."""
 
     def __init__(
         self, gate_up_proj: QuantizedExpertStack, down_proj: QuantizedExpertStack, limit: float
@@ -187,31 +184,14 @@ class QuantizedExperts(nn.Module):
         self.gate_up_proj = gate_up_proj
         self.down_proj = down_proj
 
-    def forward(
-        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
-    ) -> torch.Tensor:
-        """``x [T, hidden]``, chosen ``experts [T, k]`` and their ``weights`` -> ``[T, hidden]``."""
-        tokens, k = experts.shape
-        if self.gate_up_proj.shape[0] <= 2 * tokens * k:
-            out = self._chosen_of_all(x, experts)
-        else:
-            out = self._on_gathered_weights(x, experts)
-        return (out * as_dtype(weights, out.dtype).unsqueeze(-1)).sum(dim=1)
+    def _num_experts(self) -> int:
+        return self.gate_up_proj.shape[0]
 
-    def _chosen_of_all(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        num_experts, double_inter, hidden_size = self.gate_up_proj.shape
-        gate_up = torch.mm(self.gate_up_proj.dequantized().flatten(0, 1), x.t())
-        gate, up = gate_up.view(num_experts, double_inter, -1).chunk(2, dim=1)
-        hidden = _swiglu(gate, up, self.limit)  # [E, I, T]
-        out = torch.bmm(self.down_proj.dequantized(), hidden)  # [E, hidden, T]
-        index = experts.unsqueeze(-1).expand(*experts.shape, hidden_size)
-        return out.permute(2, 0, 1).gather(1, index)
+    def _stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate_up_proj.dequantized(), self.down_proj.dequantized()
 
-    def _on_gathered_weights(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        gate_up = torch.einsum("tkoh,th->tko", self.gate_up_proj.rows(experts), x)
-        gate, up = gate_up.chunk(2, dim=-1)
-        hidden = _swiglu(gate, up, self.limit)
-        return torch.einsum("tkhi,tki->tkh", self.down_proj.rows(experts), hidden)
+    def _chosen_rows(self, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate_up_proj.rows(experts), self.down_proj.rows(experts)
 
 
 # -- installing them into a model -------------------------------------------------------------

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from dsv4.dtypes import DTYPE_CHOICES
 from graphs import STRATEGIES
-from runners.cli.errors import UsageError
 from runners.cli.values import at_least
 from runners.modes import CUDAGraphMode
 from runners.resolution import RUNNERS
@@ -25,7 +25,6 @@ __all__ = [
     "add_quantization_option",
     "parse_int_list",
     "parse_positive_int_list",
-    "parse_prompts",
     "parse_token_ids",
 ]
 
@@ -133,33 +132,20 @@ def parse_int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{bad!r} is not an integer (in {text!r})") from None
 
 
-def parse_positive_int_list(text: str) -> list[int]:
-    """``parse_int_list`` whose every value is ``>= 1`` (sizes, counts)."""
-    values = parse_int_list(text)
-    bad = [v for v in values if v < 1]
-    if bad:
-        raise argparse.ArgumentTypeError(f"values must be >= 1, got {bad[0]} (in {text!r})")
-    return values
+def _int_list_at_least(minimum: int, rule: str) -> Callable[[str], list[int]]:
+    """A ``parse_int_list`` whose every value is ``>= minimum``; ``rule`` words the refusal."""
+
+    def parse(text: str) -> list[int]:
+        values = parse_int_list(text)
+        bad = [v for v in values if v < minimum]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{rule}, got {bad[0]} (in {text!r})")
+        return values
+
+    return parse
 
 
-def parse_token_ids(text: str) -> list[int]:
-    """``parse_int_list`` whose every value is a token id (``>= 0``)."""
-    values = parse_int_list(text)
-    bad = [v for v in values if v < 0]
-    if bad:
-        raise argparse.ArgumentTypeError(f"token ids are >= 0, got {bad[0]} (in {text!r})")
-    return values
-
-
-def parse_prompts(
-    prompt_ids: list[list[int]] | None, prompts: list[str] | None
-) -> tuple[list[list[int]], bool]:
-    """Prompts as token ids, and whether any came from text (byte-level tokenisation)."""
-    result: list[list[int]] = [list(ids) for ids in prompt_ids or []]
-    for text in prompts or []:
-        if not text:
-            raise UsageError("--prompt is empty: give at least one character")
-        result.append(list(text.encode("utf-8")))
-    if not result:
-        raise UsageError("no prompt given: use --prompt TEXT or --prompt-ids 1,2,3")
-    return result, bool(prompts)
+parse_positive_int_list = _int_list_at_least(1, "values must be >= 1")
+"""``parse_int_list`` whose every value is ``>= 1`` (sizes, counts)."""
+parse_token_ids = _int_list_at_least(0, "token ids are >= 0")
+"""``parse_int_list`` whose every value is a token id (``>= 0``)."""
