@@ -25,7 +25,13 @@ import torch
 
 from dsv4.config import CSA, SLIDING, DeepseekV4Config
 
-__all__ = ["CompressorCache", "LayerCache", "PagedKVCaches", "allocate_kv_caches"]
+__all__ = [
+    "CompressorCache",
+    "LayerCache",
+    "PagedKVCaches",
+    "allocate_kv_caches",
+    "bytes_per_token",
+]
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -113,3 +119,15 @@ def allocate_kv_caches(
             )
         )
     return PagedKVCaches(num_blocks=num_blocks, block_size=block_size, layers=tuple(layers))
+
+
+def bytes_per_token(config: DeepseekV4Config, dtype: torch.dtype) -> dict[str, int]:
+    """Cache bytes one token occupies in one layer of each layer type, for caches in ``dtype``
+    (sliding window, compressor state and entries, indexer state and entries; the fp32 gates
+    included): measured on caches of one slot allocated on the meta device, so it always
+    matches ``allocate_kv_caches``."""
+    caches = allocate_kv_caches(config, num_blocks=1, block_size=1, device="meta", dtype=dtype)
+    return {
+        layer_type: sum(t[0].numel() * t.element_size() for t in layer.tensors())
+        for layer_type, layer in zip(config.layer_types, caches.layers, strict=True)
+    }

@@ -10,10 +10,13 @@ Invariants:
   ``slot_mapping[t] == -1``: they write nothing, and their outputs are never read.
 - ``slot_mapping[t] == block_table[row, pos // block_size] * block_size + pos % block_size`` for
   every real token t at position ``pos`` of its request.
-- ``block_table`` is always the full ``[max_rows, max_blocks_per_row]`` table. Entries past a
-  row's blocks, and rows no token of the step uses, are never read for a visible position:
-  ``new_metadata`` zeroes them; ``MetadataBuffers`` rewrites only rows whose blocks changed since
-  it last wrote them and leaves the rest as they were.
+- ``block_table`` is ``[max_rows, width]``: the first ``width`` columns of the table, where
+  ``width`` (the step's context width, in blocks) covers every position of the step. Attention
+  reads compressed entries up to ``width * block_size`` positions, so a step's cost follows its
+  width, not the table's full width. Entries past a row's blocks, and rows no token of the step
+  uses, are never read for a visible position: ``new_metadata`` zeroes them; ``MetadataBuffers``
+  rewrites only rows whose blocks changed since it last wrote them and leaves the rest as they
+  were, and its narrower tables are column views of one buffer (address-stable).
 
 Metadata is built from chunks: anything with a block-table ``row``, its ``block_ids``, a
 ``start_position`` and ``num_tokens`` (the structural ``ChunkLike``), so the model knows nothing
@@ -67,7 +70,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     """``[T]`` int64: flat cache slot each token is written to; -1 writes nothing."""
     block_table: torch.Tensor
-    """``[max_rows, max_blocks_per_row]`` int64: cache blocks of each row."""
+    """``[max_rows, width]`` int64: the first ``width`` cache blocks of each row."""
     block_size: int
     """Tokens per cache block (a host constant of the cache, never of the step)."""
 
@@ -170,11 +173,20 @@ class MetadataBuffers:
         return (self.token_request, self.slot_mapping, self.block_table)
 
     def write(
-        self, chunks: Sequence[ChunkLike], *, num_tokens: int, positions_out: torch.Tensor
+        self,
+        chunks: Sequence[ChunkLike],
+        *,
+        num_tokens: int,
+        positions_out: torch.Tensor,
+        width: int | None = None,
     ) -> AttentionMetadata:
-        """Rewrite the buffers for this step; write positions into ``positions_out[:T]``."""
+        """Rewrite the buffers for this step; write positions into ``positions_out[:T]``. The
+        metadata's table is the first ``width`` columns (all of them for ``None``)."""
+        width = self.max_blocks if width is None else width
+        if not 0 < width <= self.max_blocks:
+            raise ValueError(f"width {width} outside 1..{self.max_blocks} blocks")
         per_token = torch.tensor(
-            _host_rows(chunks, num_tokens, self.block_size, self.max_blocks), dtype=torch.int64
+            _host_rows(chunks, num_tokens, self.block_size, width), dtype=torch.int64
         )
         for chunk in chunks:
             self._write_table_row(chunk)
@@ -184,7 +196,7 @@ class MetadataBuffers:
         return AttentionMetadata(
             token_request=self.token_request[:num_tokens],
             slot_mapping=self.slot_mapping[:num_tokens],
-            block_table=self.block_table,
+            block_table=self.block_table[:, :width],
             block_size=self.block_size,
         )
 

@@ -1,11 +1,12 @@
 """The ``ModelRunner`` ABC: persistent inputs, owned caches, capture sizes and dispatch.
 
 One step: ``execute(chunks, token_ids)`` classifies the batch (uniform decode or mixed), picks
-the basic graph mode for that kind, pads the token count to the next capture size, captures the
-graph for that (mode, size) if it does not exist yet, writes the step's inputs and attention
-metadata, and replays — or runs eagerly under mode ``NONE`` or above the largest capture size.
-It returns the logits of each chunk's last token. A runner satisfies the engine's
-``StepExecutor`` protocol.
+the basic graph mode for that kind, pads the token count to the next capture size and the
+context to the next context bucket, captures the graph for that (mode, size, bucket) if it does
+not exist yet, writes the step's inputs and attention metadata, and replays — or runs eagerly,
+at the step's exact context width, under mode ``NONE``, above the largest capture size, or in a
+bucket beyond the ones graphs are held for. It returns the logits of each chunk's last token. A
+runner satisfies the engine's ``StepExecutor`` protocol.
 
 Invariants:
 - ``input_ids`` and ``positions`` are persistent buffers sized to the token budget; every step
@@ -21,8 +22,12 @@ Invariants:
 - The runner's graphs share one backend and its memory pool; the pool is fresh per runner, and
   the runner takes a new backend (a fresh pool) whenever its pool is retired — after
   ``clear_graphs`` or a failed first capture — since a pool is never recorded into again once
-  its graphs are gone. Graphs are captured largest size first (also when captured lazily), so
-  smaller captures reuse the pool memory of larger ones.
+  its graphs are gone. Within a context bucket, graphs are captured largest size first (also
+  when captured lazily), so smaller captures reuse the pool memory of larger ones; ``capture``
+  takes the buckets it holds largest first too.
+- Graphs are held for at most ``max_graph_contexts`` context buckets (the smallest ones when
+  captured ahead of time, otherwise the first ones used); a step in any other bucket runs
+  eagerly at its exact width, so its cost still follows its actual context.
 - Host inputs reach the device through ``stage_into`` (pinned, non-blocking on a GPU).
 - FULL graphs serve uniform-decode batches only; mixed batches never run under FULL.
 - Subclasses differ only in how metadata is built (``_write_metadata``) and which metadata memory
@@ -49,7 +54,14 @@ from graphs.backend import GraphBackend, PoolGraphs
 from graphs.forward_context import ForwardContext, forward_context
 from graphs.strategies import EagerRegionStrategy
 from platforms.base import Platform
-from runners.batch import DEFAULT_CAPTURE_SIZES, CaptureSizes
+from runners.batch import (
+    DEFAULT_CAPTURE_SIZES,
+    DEFAULT_FIRST_CONTEXT_BUCKET,
+    CaptureSizes,
+    ContextBuckets,
+    GraphKey,
+    blocks_needed,
+)
 from runners.captured import CapturedGraph, capture_step, static_memory
 from runners.engine.executor import EngineLimits, ScheduledChunk
 from runners.errors import RunnerInputError
@@ -58,8 +70,8 @@ from runners.modes import CUDAGraphMode
 
 __all__ = ["ModelRunner"]
 
-GraphKey = tuple[CUDAGraphMode, int]
-CaptureCallback = Callable[[CUDAGraphMode, int, float], None]
+CaptureCallback = Callable[[GraphKey, float], None]
+DEFAULT_MAX_GRAPH_CONTEXTS = 4
 
 
 class ModelRunner(abc.ABC):
@@ -83,15 +95,21 @@ class ModelRunner(abc.ABC):
         capture_sizes: Iterable[int] = DEFAULT_CAPTURE_SIZES,
         max_num_tokens: int = 256,
         audit: AuditMode = "raise",
+        first_context_bucket: int = DEFAULT_FIRST_CONTEXT_BUCKET,
+        max_graph_contexts: int = DEFAULT_MAX_GRAPH_CONTEXTS,
     ) -> None:
         """``eager_region``: the strategy every attention layer composes its region with under
         this runner (``build_runner`` passes the resolved one). ``audit``: ``"raise"`` at an
-        unstable captured read, ``"report"`` it, or ``"off"``."""
+        unstable captured read, ``"report"`` it, or ``"off"``. ``first_context_bucket``: tokens
+        the smallest context bucket covers; ``max_graph_contexts``: how many context buckets
+        graphs are held for."""
         for kind, mode in (("decode", decode_mode), ("mixed", mixed_mode)):
             if not mode.is_basic:
                 raise ValueError(f"the {kind} mode must be NONE, PIECEWISE or FULL, not {mode}")
         if mixed_mode is CUDAGraphMode.FULL:
             raise ValueError("FULL graphs serve uniform-decode batches only; use PIECEWISE")
+        if max_graph_contexts < 1:
+            raise ValueError(f"max_graph_contexts must be at least 1, got {max_graph_contexts}")
         platform.require_available()
         self.platform = platform
         self.device = platform.device
@@ -102,6 +120,12 @@ class ModelRunner(abc.ABC):
         self.mixed_mode = mixed_mode
         self.max_num_tokens = max_num_tokens
         self.capture_sizes = CaptureSizes.of(capture_sizes, max_num_tokens=max_num_tokens)
+        self.context_buckets = ContextBuckets.of(
+            max_blocks=layout.max_blocks_per_row,
+            block_size=layout.block_size,
+            first_tokens=first_context_bucket,
+        )
+        self.max_graph_contexts = max_graph_contexts
         self.audit: AuditMode = audit
         self.vocab_size: int = model.config.vocab_size
         self.limits = EngineLimits(
@@ -133,9 +157,10 @@ class ModelRunner(abc.ABC):
     # -- subclass hooks --------------------------------------------------------------------------
     @abc.abstractmethod
     def _write_metadata(
-        self, chunks: Sequence[ScheduledChunk], num_tokens: int
+        self, chunks: Sequence[ScheduledChunk], num_tokens: int, width: int
     ) -> AttentionMetadata:
-        """Metadata for ``chunks`` padded to ``num_tokens``; also fills ``positions[:T]``."""
+        """Metadata for ``chunks`` padded to ``num_tokens``, its block table ``width`` blocks
+        wide; also fills ``positions[:T]``."""
 
     @abc.abstractmethod
     def _static_metadata(self) -> dict[str, torch.Tensor]:
@@ -150,13 +175,18 @@ class ModelRunner(abc.ABC):
         uniform = all(chunk.num_tokens == 1 for chunk in chunks)
         mode = self.decode_mode if uniform else self.mixed_mode
         padded = self.capture_sizes.padded(num_tokens)
-        if mode is CUDAGraphMode.NONE or padded is None:
-            mode, padded = CUDAGraphMode.NONE, num_tokens
-        graph = None if mode is CUDAGraphMode.NONE else self._graph(mode, padded)
+        width = blocks_needed(chunks, self.layout.block_size)
+        graph = None
+        if mode is not CUDAGraphMode.NONE and padded is not None:
+            graph = self._graph(GraphKey(mode, padded, self.context_buckets.bucket(width)))
+        if graph is None:
+            padded = num_tokens
+        else:
+            padded, width = graph.key.num_tokens, graph.key.width
         flat = [t for ids in token_ids for t in ids]
         stage_into(self.input_ids[:num_tokens], torch.tensor(flat, dtype=torch.int64))
         self.input_ids[num_tokens:padded].zero_()
-        ctx = self._context(self._write_metadata(chunks, padded))
+        ctx = self._context(self._write_metadata(chunks, padded, width))
         ends = torch.empty(len(chunks), dtype=torch.int64, device=self.device)
         stage_into(ends, torch.tensor(_last_token_indices(chunks), dtype=torch.int64))
         with forward_context(ctx), torch.inference_mode():
@@ -168,20 +198,31 @@ class ModelRunner(abc.ABC):
             return logits.index_select(0, ends)
 
     def capture(self, on_captured: CaptureCallback | None = None) -> None:
-        """Capture every (mode, size) this runner can dispatch to, largest size first.
+        """Capture every (mode, size) this runner can dispatch to, for the smallest
+        ``max_graph_contexts`` context buckets not yet refused by the cap; largest bucket first,
+        and within one, largest size first.
 
-        ``on_captured(mode, size, seconds)`` is called after each graph this call captures
-        (progress output and per-size capture timing); graphs captured earlier are skipped.
+        ``on_captured(key, seconds)`` is called after each graph this call captures (progress
+        output and per-size capture timing); graphs captured earlier are skipped.
         """
         modes = [m for m in (self.decode_mode, self.mixed_mode) if m is not CUDAGraphMode.NONE]
-        for size in self.capture_sizes.largest_first():
-            for mode in dict.fromkeys(modes):
-                if (mode, size) in self._graphs:
-                    continue
-                start = time.perf_counter()
-                self._graph(mode, size)
-                if on_captured is not None:
-                    on_captured(mode, size, time.perf_counter() - start)
+        if not modes:
+            return
+        held = self._held_widths()
+        widths = [w for w in self.context_buckets.widths if w in held]
+        for width in self.context_buckets.widths:
+            if len(widths) < self.max_graph_contexts and width not in widths:
+                widths.append(width)
+        for width in sorted(widths, reverse=True):
+            for size in self.capture_sizes.largest_first():
+                for mode in dict.fromkeys(modes):
+                    key = GraphKey(mode, size, width)
+                    if key in self._graphs:
+                        continue
+                    start = time.perf_counter()
+                    self._graph(key)
+                    if on_captured is not None:
+                        on_captured(key, time.perf_counter() - start)
 
     def clear_graphs(self) -> None:
         """Drop every captured graph; later steps capture again, into a fresh pool."""
@@ -195,7 +236,7 @@ class ModelRunner(abc.ABC):
 
     @property
     def captured(self) -> tuple[GraphKey, ...]:
-        """The (mode, padded size) keys captured so far, in capture order."""
+        """The (mode, padded size, width) keys captured so far, in capture order."""
         return tuple(self._graphs)
 
     @property
@@ -225,26 +266,34 @@ class ModelRunner(abc.ABC):
             attn_metadata=metadata, kv_caches=self.kv_caches, eager_region=self.eager_region
         )
 
-    def _graph(self, mode: CUDAGraphMode, size: int) -> CapturedGraph:
-        """The graph for (``mode``, ``size``); captured now if missing, after every missing
-        larger size of ``mode`` (largest first, so smaller graphs reuse their pool memory)."""
-        key = (mode, size)
+    def _held_widths(self) -> set[int]:
+        return {key.width for key in self._graphs}
+
+    def _graph(self, key: GraphKey) -> CapturedGraph | None:
+        """The graph for ``key``; captured now if missing, after every missing larger size of
+        its mode and bucket (largest first, so smaller graphs reuse their pool memory). ``None``
+        when ``key``'s bucket holds no graphs and ``max_graph_contexts`` buckets already do."""
         if key not in self._graphs:
+            held = self._held_widths()
+            if key.width not in held and len(held) >= self.max_graph_contexts:
+                return None
             for larger in self.capture_sizes.largest_first():
-                if larger >= size and (mode, larger) not in self._graphs:
-                    self._graphs[(mode, larger)] = self._capture(mode, larger)
+                bigger = key._replace(num_tokens=larger)
+                if larger >= key.num_tokens and bigger not in self._graphs:
+                    self._graphs[bigger] = self._capture(bigger)
         return self._graphs[key]
 
-    def _capture(self, mode: CUDAGraphMode, size: int) -> CapturedGraph:
+    def _capture(self, key: GraphKey) -> CapturedGraph:
         graphs = getattr(self._backend.pool, "graphs", None)
         if isinstance(graphs, PoolGraphs) and graphs.retired:
             self._backend = self.platform.graph_backend()
+        size = key.num_tokens
         return capture_step(
             self.model,
-            mode=mode,
+            key=key,
             input_ids=self.input_ids[:size],
             positions=self.positions[:size],
-            dummy_context=lambda: self._context(self._write_metadata((), size)),
+            dummy_context=lambda: self._context(self._write_metadata((), size, key.width)),
             backend=self._backend,
             static=self.static_memory,
             audit=self.audit,

@@ -1,26 +1,53 @@
-"""Capture sizes and padding: with the graph mode, the dispatch keys of captured graphs.
+"""Capture sizes, context buckets and padding: with the graph mode, the dispatch keys of
+captured graphs.
 
 Invariants:
-- A captured graph is keyed by its basic graph mode and its padded token count; a FULL graph
-  serves only uniform-decode batches (every request contributes one token), a PIECEWISE graph
-  serves any batch of its size.
+- A captured graph is keyed by its basic graph mode, its padded token count and its context
+  bucket (``GraphKey``); a FULL graph serves only uniform-decode batches (every request
+  contributes one token), a PIECEWISE graph serves any batch of its size and bucket.
 - Capture sizes are positive, distinct and sorted; a batch of ``n`` tokens is padded to the
   smallest capture size ``>= n`` and runs eagerly when ``n`` exceeds the largest one. Padded
   tokens get slot -1 (they write nothing) and their outputs are never read.
+- A step's attention reads the first ``width`` columns of the block table, so its cost follows
+  ``width`` and not the configured maximum context. A step needs the blocks that cover the
+  furthest position any of its chunks reaches; eager steps use exactly that width, captured
+  steps the smallest context bucket that covers it. Buckets are block counts growing
+  geometrically (doubling) from the first bucket up to the block table's full width, which is
+  always the last bucket, so a graph's width wastes less than half of it.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
+from typing import NamedTuple, Protocol
 
 import attrs
 
 from runners.errors import CaptureSizeError
+from runners.modes import CUDAGraphMode
 
-__all__ = ["DEFAULT_CAPTURE_SIZES", "CaptureSizes"]
+__all__ = [
+    "DEFAULT_CAPTURE_SIZES",
+    "DEFAULT_FIRST_CONTEXT_BUCKET",
+    "CaptureSizes",
+    "ContextBuckets",
+    "GraphKey",
+    "blocks_needed",
+]
 
 DEFAULT_CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+DEFAULT_FIRST_CONTEXT_BUCKET = 512
+"""Tokens the first context bucket covers (capped by the maximum context)."""
+
+
+class GraphKey(NamedTuple):
+    """What a captured graph serves: its mode, padded token count and block-table width."""
+
+    mode: CUDAGraphMode
+    num_tokens: int
+    width: int
+    """Block-table columns (context bucket, in blocks) the graph's attention reads."""
 
 
 @attrs.frozen
@@ -59,3 +86,47 @@ class CaptureSizes:
         """The smallest capture size ``>= num_tokens``, or ``None`` above the largest."""
         index = bisect.bisect_left(self.sizes, num_tokens)
         return self.sizes[index] if index < len(self.sizes) else None
+
+
+class _Span(Protocol):
+    @property
+    def start_position(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+def blocks_needed(chunks: Iterable[_Span], block_size: int) -> int:
+    """Blocks covering the furthest position any chunk reaches (at least one)."""
+    furthest = max((c.start_position + c.num_tokens for c in chunks), default=1)
+    return -(-furthest // block_size)
+
+
+@attrs.frozen
+class ContextBuckets:
+    """The ascending block-table widths (in blocks) graphs are captured for."""
+
+    widths: tuple[int, ...]
+
+    @classmethod
+    def of(cls, *, max_blocks: int, block_size: int, first_tokens: int) -> ContextBuckets:
+        """Widths doubling from the blocks covering ``first_tokens`` up to ``max_blocks``."""
+        if max_blocks < 1 or first_tokens < 1:
+            raise ValueError(
+                f"context buckets need a positive width, got {max_blocks} blocks and a first "
+                f"bucket of {first_tokens} tokens"
+            )
+        width = min(max_blocks, -(-first_tokens // block_size))
+        widths = []
+        while width < max_blocks:
+            widths.append(width)
+            width *= 2
+        return cls((*widths, max_blocks))
+
+    @property
+    def largest(self) -> int:
+        return self.widths[-1]
+
+    def bucket(self, blocks: int) -> int:
+        """The smallest width covering ``blocks`` (callers never ask above the largest)."""
+        return self.widths[bisect.bisect_left(self.widths, blocks)]

@@ -27,6 +27,7 @@ from graphs.backend import GraphBackend
 from graphs.capture import BreakableCapture
 from graphs.forward_context import ForwardContext, forward_context
 from graphs.static_memory import StaticMemory
+from runners.batch import GraphKey
 from runners.modes import CUDAGraphMode
 
 __all__ = ["CapturedGraph", "capture_step", "static_memory"]
@@ -36,8 +37,8 @@ __all__ = ["CapturedGraph", "capture_step", "static_memory"]
 class CapturedGraph:
     """One captured step: the capture to replay, the logits it writes, its audit report."""
 
-    mode: CUDAGraphMode
-    num_tokens: int
+    key: GraphKey
+    """The mode, padded token count and context width the graph serves."""
     capture: BreakableCapture
     logits: torch.Tensor
 
@@ -65,7 +66,7 @@ def static_memory(
 def capture_step(
     model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     *,
-    mode: CUDAGraphMode,
+    key: GraphKey,
     input_ids: torch.Tensor,
     positions: torch.Tensor,
     dummy_context: Callable[[], ForwardContext],
@@ -73,12 +74,11 @@ def capture_step(
     static: StaticMemory,
     audit: AuditMode,
 ) -> CapturedGraph:
-    """Capture ``model(input_ids, positions)`` under ``mode`` with dummy metadata.
+    """Capture ``model(input_ids, positions)`` under ``key.mode`` with dummy metadata.
 
     ``dummy_context`` fills the positions and returns the step's context with all-padding
-    metadata.
+    metadata ``key.width`` blocks wide; ``input_ids`` holds ``key.num_tokens`` tokens.
     """
-    size = int(input_ids.shape[0])
     input_ids.zero_()
     tracker = AllocationTracker()
     with tracker:
@@ -87,10 +87,10 @@ def capture_step(
         backend.warm_up(lambda: model(input_ids, positions))
         with BreakableCapture(
             backend,
-            full=mode is CUDAGraphMode.FULL,
+            full=key.mode is CUDAGraphMode.FULL,
             static=static,
             audit=audit,
             allocations=tracker,
         ) as capture:
             logits = model(input_ids, positions)
-    return CapturedGraph(mode=mode, num_tokens=size, capture=capture, logits=logits)
+    return CapturedGraph(key=key, capture=capture, logits=logits)

@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -30,32 +31,32 @@ import torch
 from dsv4 import DeepseekV4Config, DeepseekV4ForCausalLM, load_checkpoint
 from dsv4.config import ARCHITECTURE
 from dsv4.dtypes import COMPUTE_DTYPES, DTYPE_CHOICES, dtype_name, resolve_dtype
-from dsv4.hf_config import checkpoint_architecture
+from dsv4.hf_config import checkpoint_architecture, load_config
 from dsv4.weights import randomize_
 from graphs.audit import AuditMode
 from platforms import Platform, current_platform, get_platform, simulate
 from runners.base import ModelRunner
 from runners.batch import DEFAULT_CAPTURE_SIZES
+from runners.capacity import Capacity, CapacityPlan, MaxModelLenCappedWarning
 from runners.engine import LLM
 from runners.errors import UnsupportedDtypeError
 from runners.layout import CacheLayout
 from runners.resolution import Resolution, resolve
 
 __all__ = [
-    "DEFAULT_LAYOUT",
     "Engine",
     "EngineSpec",
     "architecture_of",
     "build_engine",
     "build_model",
     "build_runner",
+    "capacity_of",
     "compute_dtype_of",
+    "config_of",
     "require_dtype",
     "resolve_platform",
     "resolve_spec",
 ]
-
-DEFAULT_LAYOUT = CacheLayout(num_blocks=256, block_size=16, max_rows=16, max_blocks_per_row=32)
 
 
 @attrs.frozen(kw_only=True)
@@ -79,8 +80,21 @@ class EngineSpec:
     unsafe_region: bool = False
     capture_sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES
     max_num_tokens: int = 64
-    """Tokens one step may carry (the persistent buffers' size and the engine's token budget)."""
-    layout: CacheLayout = DEFAULT_LAYOUT
+    """Tokens one step may carry (``--max-num-batched-tokens``: the persistent buffers' size
+    and the engine's token budget)."""
+    max_model_len: int | None = None
+    """Longest request in tokens; ``None``: the checkpoint's ``max_position_embeddings``,
+    capped by the KV budget (``runners.capacity``)."""
+    max_num_seqs: int = 16
+    """Requests in flight at once."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_memory: int | None = None
+    """KV memory budget in bytes; ``None``: ``memory_fraction`` of free device memory."""
+    memory_fraction: float | None = None
+    """Share of free device memory the KV caches may take (default 0.5)."""
+    layout: CacheLayout | None = None
+    """An explicit cache layout, instead of the one the capacity options above derive."""
     audit: AuditMode = "raise"
     quantization: str = "auto"
     """How a quantized checkpoint loads: ``auto`` (weight-only), ``weight-only`` or
@@ -94,6 +108,8 @@ class Engine:
     resolution: Resolution
     runner: ModelRunner
     llm: LLM
+    capacity: CapacityPlan | None
+    """How the cache layout was derived (``None`` for an explicit ``EngineSpec.layout``)."""
 
 
 def resolve_platform(name: str | Platform | None, *, simulated: bool) -> Platform:
@@ -145,22 +161,58 @@ def resolve_spec(spec: EngineSpec) -> Resolution:
 
 
 def build_engine(spec: EngineSpec, *, model: DeepseekV4ForCausalLM | None = None) -> Engine:
-    """Resolve ``spec``, then build the runner and the engine (loading the model if not given)."""
+    """Resolve ``spec``, then build the runner and the engine (loading the model if not given).
+
+    Capacity options the config alone rules out are refused before the model loads; the KV
+    budget's share of free memory is measured after it has loaded."""
     resolution = resolve_spec(spec)
     platform = resolution.platform
     platform.require_available()
-    require_dtype(platform, compute_dtype_of(spec) if model is None else model.compute_dtype)
+    dtype = compute_dtype_of(spec) if model is None else model.compute_dtype
+    require_dtype(platform, dtype)
+    capacity = capacity_of(spec)
+    if spec.layout is None:
+        capacity.check(model.config if model is not None else config_of(spec), dtype)
     if model is None:
         model = build_model(spec)
+    model = model.to(platform.device)
+    plan = None
+    layout = spec.layout
+    if layout is None:
+        plan = capacity.plan(model.config, model.compute_dtype, platform.device)
+        layout = plan.layout
+        if plan.note is not None:
+            warnings.warn(plan.note, MaxModelLenCappedWarning, stacklevel=2)
     runner = build_runner(
         resolution,
-        model.to(platform.device),
-        layout=spec.layout,
+        model,
+        layout=layout,
         capture_sizes=spec.capture_sizes,
         max_num_tokens=spec.max_num_tokens,
         audit=spec.audit,
     )
-    return Engine(resolution=resolution, runner=runner, llm=LLM(runner))
+    return Engine(resolution=resolution, runner=runner, llm=LLM(runner), capacity=plan)
+
+
+def capacity_of(spec: EngineSpec) -> Capacity:
+    """The capacity options of ``spec`` (``CapacityError`` for a non-positive one)."""
+    return Capacity(
+        max_model_len=spec.max_model_len,
+        max_num_seqs=spec.max_num_seqs,
+        block_size=spec.block_size,
+        kv_cache_memory=spec.kv_cache_memory,
+        memory_fraction=spec.memory_fraction,
+    )
+
+
+def config_of(spec: EngineSpec) -> DeepseekV4Config:
+    """The model config ``spec`` names, read without loading weights (warnings about its
+    fields are left for the load itself, so they are said once)."""
+    if spec.checkpoint is None:
+        return DeepseekV4Config.tiny()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load_config(spec.checkpoint)
 
 
 def require_dtype(platform: Platform, dtype: torch.dtype) -> None:

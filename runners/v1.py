@@ -33,14 +33,14 @@ class ModelRunnerV1(ModelRunner):
     )
 
     def _write_metadata(
-        self, chunks: Sequence[ScheduledChunk], num_tokens: int
+        self, chunks: Sequence[ScheduledChunk], num_tokens: int, width: int
     ) -> AttentionMetadata:
         metadata, positions = new_metadata(
             chunks,
             num_tokens=num_tokens,
             block_size=self.layout.block_size,
             max_rows=self.layout.max_rows,
-            max_blocks=self.layout.max_blocks_per_row,
+            max_blocks=width,
             device=self.device,
         )
         self.positions[:num_tokens].copy_(positions)

@@ -44,10 +44,10 @@ class ModelRunnerV2(ModelRunner):
         )
 
     def _write_metadata(
-        self, chunks: Sequence[ScheduledChunk], num_tokens: int
+        self, chunks: Sequence[ScheduledChunk], num_tokens: int, width: int
     ) -> AttentionMetadata:
         return self.metadata_buffers.write(
-            chunks, num_tokens=num_tokens, positions_out=self.positions
+            chunks, num_tokens=num_tokens, positions_out=self.positions, width=width
         )
 
     def _static_metadata(self) -> dict[str, torch.Tensor]:

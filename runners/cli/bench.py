@@ -24,8 +24,10 @@ from runners.cli.errors import UsageError
 from runners.cli.options import (
     PLATFORM_HELP,
     SIMULATE_HELP,
+    add_capacity_options,
     add_dtype_option,
     add_quantization_option,
+    capacity_fields,
     parse_positive_int_list,
 )
 from runners.cli.progress import Progress
@@ -71,11 +73,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rounds", type=at_least(1), default=3, help="throughput rounds (default: 3)"
     )
+    add_capacity_options(parser)
 
 
 def _validate(args: argparse.Namespace) -> None:
-    if max(args.batch_sizes) > 16:
-        raise UsageError("--batch-sizes are at most 16 (the runner's block-table rows)")
+    if max(args.batch_sizes) > args.max_num_seqs:
+        raise UsageError(
+            f"--batch-sizes are at most --max-num-seqs ({args.max_num_seqs}), the requests "
+            "in flight at once"
+        )
 
 
 def execute(args: argparse.Namespace) -> dict[str, Any]:
@@ -87,6 +93,7 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
         dtype=args.dtype,
         platform=args.platform,
         simulate=args.simulate,
+        **capacity_fields(args),
     )
     options = BenchOptions(
         batch_sizes=tuple(args.batch_sizes),

@@ -23,8 +23,10 @@ from typing import Any
 
 from runners.cli.options import (
     SIMULATE_HELP,
+    add_capacity_options,
     add_dtype_option,
     add_quantization_option,
+    capacity_fields,
     parse_positive_int_list,
     parse_token_ids,
 )
@@ -87,6 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="torch CPU threads (default: 1 up to hidden size 512, else one per core)",
     )
+    add_capacity_options(parser)
 
 
 def execute(args: argparse.Namespace) -> dict[str, Any]:
@@ -102,6 +105,7 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
         capture_sizes=tuple(args.capture_sizes),
         atol=args.atol,
         threads=args.threads,
+        capacity=capacity_fields(args),
         **({"prompts": tuple(map(tuple, args.prompt_ids))} if args.prompt_ids else {}),
     )
     payload = run_matrix(options, progress.update)

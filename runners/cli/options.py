@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import Any
 
 from dsv4.dtypes import DTYPE_CHOICES
 from graphs import STRATEGIES
-from runners.cli.values import at_least
+from runners.batch import DEFAULT_CAPTURE_SIZES
+from runners.capacity import DEFAULT_MEMORY_FRACTION
+from runners.cli.errors import UsageError
+from runners.cli.values import at_least, byte_count, probability
 from runners.modes import CUDAGraphMode
 from runners.resolution import RUNNERS
 
@@ -19,10 +23,12 @@ __all__ = [
     "QUANTIZATION_CHOICES",
     "RUNNER_CHOICES",
     "SIMULATE_HELP",
+    "add_capacity_options",
     "add_dtype_option",
     "add_model_options",
     "add_policy_options",
     "add_quantization_option",
+    "capacity_fields",
     "parse_int_list",
     "parse_positive_int_list",
     "parse_token_ids",
@@ -94,6 +100,75 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="torch CPU threads (default: 1 up to hidden size 512, else one per core)",
     )
+    add_capacity_options(parser)
+
+
+def add_capacity_options(parser: argparse.ArgumentParser) -> None:
+    """How long requests may be, how many run at once, and how much KV memory they get
+    (``EngineSpec``'s capacity fields, ``runners.capacity``)."""
+    group = parser.add_argument_group("capacity")
+    group.add_argument(
+        "--max-model-len",
+        type=at_least(1),
+        default=None,
+        metavar="TOKENS",
+        help="longest request, prompt and output together (default: the checkpoint's "
+        "max_position_embeddings, capped by the KV budget with a note)",
+    )
+    group.add_argument(
+        "--max-num-seqs",
+        type=at_least(1),
+        default=16,
+        metavar="N",
+        help="requests in flight at once (default: 16)",
+    )
+    group.add_argument(
+        "--max-num-batched-tokens",
+        type=at_least(1),
+        default=None,
+        metavar="N",
+        help="tokens one step may carry (default: 64, or the largest capture size if larger)",
+    )
+    group.add_argument(
+        "--block-size", type=at_least(1), default=16, metavar="TOKENS", help="default: 16"
+    )
+    budget = group.add_mutually_exclusive_group()
+    budget.add_argument(
+        "--kv-cache-memory",
+        type=byte_count,
+        default=None,
+        metavar="BYTES",
+        help="KV cache budget in bytes (512MiB, 4GiB, ... accepted)",
+    )
+    budget.add_argument(
+        "--memory-fraction",
+        type=probability,
+        default=None,
+        metavar="F",
+        help="KV cache budget as a share of the device's free memory after loading "
+        f"(default: {DEFAULT_MEMORY_FRACTION})",
+    )
+
+
+def capacity_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """``EngineSpec`` fields of the capacity options (and the token budget, at least the
+    largest capture size)."""
+    sizes = getattr(args, "capture_sizes", None) or DEFAULT_CAPTURE_SIZES
+    tokens = args.max_num_batched_tokens
+    if tokens is None:
+        tokens = max(64, *sizes)
+    elif tokens < max(sizes):
+        raise UsageError(
+            f"--max-num-batched-tokens {tokens} is below the largest capture size {max(sizes)}"
+        )
+    return {
+        "max_num_tokens": tokens,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "block_size": args.block_size,
+        "kv_cache_memory": args.kv_cache_memory,
+        "memory_fraction": args.memory_fraction,
+    }
 
 
 def add_dtype_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

@@ -25,7 +25,12 @@ from dsv4.dtypes import dtype_name
 from dsv4.generation_config import stop_token_ids
 from dsv4.tokenizer import CheckpointTokenizer
 from runners.cli.errors import UsageError
-from runners.cli.options import add_model_options, add_policy_options, parse_token_ids
+from runners.cli.options import (
+    add_model_options,
+    add_policy_options,
+    capacity_fields,
+    parse_token_ids,
+)
 from runners.cli.progress import Progress
 from runners.cli.prompts import (
     byte_level_text,
@@ -105,8 +110,7 @@ def spec_from_args(args: argparse.Namespace) -> Any:
     }
     if args.capture_sizes is not None:
         fields["capture_sizes"] = tuple(args.capture_sizes)
-        fields["max_num_tokens"] = max(64, *args.capture_sizes)
-    return EngineSpec(**fields)
+    return EngineSpec(**fields, **capacity_fields(args))
 
 
 def execute(args: argparse.Namespace) -> dict[str, Any]:
@@ -134,8 +138,9 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
     progress.update("capturing graphs")
     start = time.perf_counter()
     engine.runner.capture(
-        lambda mode, size, seconds: progress.update(
-            f"captured {mode.name} graph for {size} tokens in {seconds:.2f}s"
+        lambda key, seconds: progress.update(
+            f"captured {key.mode.name} graph for {key.num_tokens} tokens, context "
+            f"{key.width * engine.runner.layout.block_size}, in {seconds:.2f}s"
         )
     )
     capture_s = time.perf_counter() - start
@@ -172,8 +177,14 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
     ]
     payload["failed_requests"] = sum(o.error is not None for o in outputs)
     payload["graphs"] = {
-        "captured_sizes": sorted({size for _, size in engine.runner.captured}),
-        "captured": [[mode.name, size] for mode, size in engine.runner.captured],
+        "captured_sizes": sorted({key.num_tokens for key in engine.runner.captured}),
+        "captured_contexts": sorted(
+            {key.width * engine.runner.layout.block_size for key in engine.runner.captured}
+        ),
+        "captured": [
+            [key.mode.name, key.num_tokens, key.width * engine.runner.layout.block_size]
+            for key in engine.runner.captured
+        ],
         "num_graphs": engine.runner.num_graphs,
         "num_eager_breaks": engine.runner.num_eager_breaks,
     }
@@ -183,6 +194,8 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
         "generated_tokens": generated,
         "tokens_per_s": round(generated / generate_s, 3) if generate_s > 0 else None,
     }
+    if engine.capacity is not None:
+        payload["capacity"] = engine.capacity.to_dict()
     payload["byte_level"] = byte_level
     payload["threads"] = threads
     payload["dtype"] = dtype_name(engine.runner.model.compute_dtype)
@@ -256,8 +269,16 @@ def render(payload: dict[str, Any]) -> str:
         f"runner {payload['runner']}, decode {modes['decode']}, mixed {modes['mixed']}, "
         f"eager region {payload['eager_region']}",
         f"graphs: {graphs['num_graphs']} graph segments, {graphs['num_eager_breaks']} eager "
-        f"breaks, sizes {graphs['captured_sizes']}",
+        f"breaks, sizes {graphs['captured_sizes']}, contexts {graphs['captured_contexts']}",
     ]
+    capacity = payload.get("capacity")
+    if capacity is not None:
+        lines.append(
+            f"capacity: max-model-len {capacity['max_model_len']}, {capacity['num_blocks']} "
+            f"blocks of {capacity['block_size']} tokens "
+            f"({capacity['kv_cache_bytes'] / 2**20:.1f} MiB of KV cache), "
+            f"max-num-seqs {capacity['max_num_seqs']}"
+        )
     for i, out in enumerate(payload["outputs"]):
         lines.append(f"[{i}] prompt {out['prompt_ids']}")
         lines.append(f"    output {out['output_ids']} ({out['finish_reason']})")

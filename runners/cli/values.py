@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections.abc import Callable
 
-__all__ = ["at_least", "non_negative_float", "probability"]
+__all__ = ["at_least", "byte_count", "non_negative_float", "probability"]
 
 
 def at_least(minimum: int) -> Callable[[str], int]:
@@ -53,4 +54,21 @@ def probability(text: str) -> float:
     value = _number(text)
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+_BYTES = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?", re.IGNORECASE)
+
+
+def byte_count(text: str) -> int:
+    """A positive number of bytes: ``1073741824``, ``512MiB``, ``1.5G`` (binary units)."""
+    match = _BYTES.fullmatch(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"expected bytes such as 1073741824, 512MiB or 4GiB, got {text!r}"
+        )
+    value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least one byte, got {text!r}")
     return value

@@ -15,6 +15,7 @@ asked or where it is not available here. Invariants:
 
 from __future__ import annotations
 
+import collections
 import itertools
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -66,6 +67,9 @@ class MatrixOptions:
     unsafe_region: bool = False
     atol: float | None = None
     threads: int | None = None
+    capacity: dict[str, Any] = attrs.field(factory=dict)
+    """``EngineSpec`` capacity fields (``max_model_len``, ``max_num_tokens``, …); the token
+    budget defaults to at least the largest capture size."""
 
 
 def run_matrix(options: MatrixOptions, progress: Callable[[str], None]) -> dict[str, Any]:
@@ -79,8 +83,8 @@ def run_matrix(options: MatrixOptions, progress: Callable[[str], None]) -> dict[
         quantization=options.quantization,
         dtype=options.dtype,
         capture_sizes=sizes,
-        max_num_tokens=max(64, *sizes),
         unsafe_region=options.unsafe_region,
+        **{"max_num_tokens": max(64, *sizes), **options.capacity},
     )
     platforms = _platforms(options.platforms, simulate=options.simulate)
     dtype = compute_dtype_of(base)
@@ -113,10 +117,10 @@ def run_matrix(options: MatrixOptions, progress: Callable[[str], None]) -> dict[
         for cell in members:
             verdicts[cell] = _verdict(outcome, references[cell[0], cell[1]], options.atol)
     rows = [_cell_payload(cell, verdicts[cell]) for cell in cells]
-    counts: dict[str, int] = {}
-    for row in rows:
-        counts[row["status"]] = counts.get(row["status"], 0) + 1
-    failing = _failing_statuses(unsafe_region=options.unsafe_region)
+    counts = collections.Counter(row["status"] for row in rows)
+    # an audit error fails the gate unless unsafe regions were asked for (then catching them is
+    # what the run is for); a mismatch or an error always does
+    failing = {"mismatch", "error"} | (set() if options.unsafe_region else {"audit-error"})
     return {
         "failed_cells": sum(row["status"] in failing for row in rows),
         "prompts": prompts,
@@ -128,7 +132,7 @@ def run_matrix(options: MatrixOptions, progress: Callable[[str], None]) -> dict[
             _reference_payload(platform, simulated, trace, _atol(options.atol, trace))
             for (platform, simulated), trace in references.items()
         ],
-        "counts": counts,
+        "counts": dict(counts),
         "distinct_runs": len(groups),
         "cells": rows,
     }
@@ -142,15 +146,6 @@ def _platforms(names: Sequence[str], *, simulate: bool) -> list[tuple[str, bool]
     """(name, simulated) for each platform to cover: simulated if asked or not available here."""
     chosen = list(dict.fromkeys(names or platform_names()))
     return [(name, simulate or not get_platform(name).is_available()) for name in chosen]
-
-
-def _failing_statuses(*, unsafe_region: bool) -> frozenset[str]:
-    """Statuses that fail the gate: a mismatch or error always; an audit error unless unsafe
-    regions were asked for (then catching them is what the run is for)."""
-    failing = {"mismatch", "error"}
-    if not unsafe_region:
-        failing.add("audit-error")
-    return frozenset(failing)
 
 
 def _label(platform: object, simulated: bool) -> str:

@@ -129,7 +129,7 @@ def test_init_checkpoint_then_run_it(tmp_path: Path, capsys: pytest.CaptureFixtu
         (["run", "--prompt-ids", "1,2", "--capture-sizes", "0,2"], "--capture-sizes: values"),
         (["run", "--prompt-ids", "1,2", "--platform", "tpu"], "unknown platform 'tpu'"),
         (["run", "--prompt-ids", "1,99999"], "--prompt-ids/--prompt: "),
-        (["run", "--prompt-ids", ",".join(["1"] * 600)], "--prompt-ids/--prompt/--max-new-tokens"),
+        (["run", "--prompt-ids", ",".join(["1"] * 1100)], "--prompt-ids/--prompt/--max-new-tokens"),
         (["run", "--prompt-ids", "1", "--max-new-tokens", "0"], "--max-new-tokens: must be >= 1"),
         (["run", "--prompt-ids", "1", "--top-k", "-1"], "argument --top-k: must be >= 0"),
         (["explain"], "--platform"),

@@ -73,7 +73,7 @@ def test_engine_over_runner_equals_full_recompute(
     assert [o.output_ids for o in outputs] == reference_tokens
     stats = llm.stats()
     assert (stats.free_blocks, stats.free_rows) == (24, 2)
-    replayed_modes = {mode for mode, _ in runner.captured}
+    replayed_modes = {key.mode for key in runner.captured}
     assert replayed_modes == {m for m in (decode, mixed) if m is not CUDAGraphMode.NONE}
 
 

@@ -97,3 +97,9 @@ def max_logit_difference(a: Generation, b: Generation) -> float:
     return max(
         float((x - y).abs().max()) for x, y in zip(a.step_logits, b.step_logits, strict=True)
     )
+
+
+def captured_sizes(runner: ModelRunner) -> tuple[tuple[CUDAGraphMode, int], ...]:
+    """The (mode, padded size) of each graph ``runner`` captured, in capture order (every
+    runner here has one context bucket: ``LAYOUT`` addresses 32 tokens)."""
+    return tuple((key.mode, key.num_tokens) for key in runner.captured)

@@ -20,8 +20,9 @@ from runners import (
     ModelRunnerV2,
     RunnerInputError,
 )
+from runners.batch import GraphKey
 from runners.engine import EngineLimits, ScheduledChunk
-from tests.runners.support import LAYOUT, fresh_model, resolve_on, tiny_runner
+from tests.runners.support import LAYOUT, captured_sizes, fresh_model, resolve_on, tiny_runner
 
 FULL, PIECEWISE, NONE = CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE
 
@@ -56,11 +57,13 @@ STEPS = [
 def test_capture_runs_largest_size_first_with_one_break_per_attention_layer() -> None:
     runner = tiny_runner(resolve_on(runner="v2", mode="FULL_AND_PIECEWISE"), capture_sizes=(1, 2))
     runner.capture()
-    assert runner.captured == ((FULL, 2), (PIECEWISE, 2), (FULL, 1), (PIECEWISE, 1))
+    assert captured_sizes(runner) == ((FULL, 2), (PIECEWISE, 2), (FULL, 1), (PIECEWISE, 1))
     layers = len(runner.model.attention_layers())
-    graphs = runner._graphs
-    assert all(graphs[(FULL, s)].capture.layout == "G" for s in (1, 2))
-    assert all(graphs[(PIECEWISE, s)].capture.num_eager_breaks == layers for s in (1, 2))
+    width = LAYOUT.max_blocks_per_row
+    full = [runner._graphs[GraphKey(FULL, s, width)].capture for s in (1, 2)]
+    piecewise = [runner._graphs[GraphKey(PIECEWISE, s, width)].capture for s in (1, 2)]
+    assert all(capture.layout == "G" for capture in full)
+    assert all(capture.num_eager_breaks == layers for capture in piecewise)
     assert runner.num_graphs == 2 + 2 * (layers + 1)
     assert runner.num_eager_breaks == 2 * layers
 
@@ -75,7 +78,7 @@ def test_dispatch_pads_captures_on_demand_and_runs_eagerly_above_the_largest_siz
         assert g.shape == e.shape and float((g - e).abs().max()) <= 1e-5
     # A lazy capture takes every missing larger size of its mode first (largest first, as
     # ahead-of-time capture does), so smaller graphs reuse the pool memory of larger ones.
-    assert runner.captured == ((PIECEWISE, 4), (FULL, 4), (FULL, 2))
+    assert captured_sizes(runner) == ((PIECEWISE, 4), (FULL, 4), (FULL, 2))
     # The model ran forward once per capture (the tape needs no warm-up: PIECEWISE 4, FULL 4,
     # FULL 2) and once for the eager 6-token step; replays do not call it. Every forward got the
     # runner's caches and region through the context.
@@ -92,7 +95,7 @@ def test_full_graphs_serve_only_uniform_decode_batches() -> None:
     runner = tiny_runner(resolve_on(runner="v2", mode="FULL_DECODE_ONLY"))
     run(runner, STEPS)
     # mixed batches ran eagerly, never under FULL; size 4 is captured before size 2
-    assert runner.captured == ((FULL, 4), (FULL, 2))
+    assert captured_sizes(runner) == ((FULL, 4), (FULL, 2))
     with pytest.raises(ValueError, match="uniform-decode batches only"):
         ModelRunnerV2(
             fresh_model(),
@@ -124,7 +127,7 @@ def test_capture_writes_nothing_into_the_caches_and_recapture_is_exact() -> None
     # Feeding the same positions again through graphs captured anew (with dummy metadata, over
     # caches that now hold data) gives the same logits.
     again = run(runner, STEPS)
-    assert runner.captured == ((PIECEWISE, 4), (PIECEWISE, 2))
+    assert captured_sizes(runner) == ((PIECEWISE, 4), (PIECEWISE, 2))
     assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
 
 

@@ -58,7 +58,7 @@ def test_pair_generates_the_eager_tokens(
     got = greedy(under_test, batch, max_tokens)
     assert got.tokens == reference.tokens
     assert max_logit_difference(got, reference) <= 1e-5
-    captured_modes = {m for m, _ in under_test.captured}
+    captured_modes = {key.mode for key in under_test.captured}
     expected_modes = {under_test.decode_mode, under_test.mixed_mode} - {CUDAGraphMode.NONE}
     assert captured_modes <= expected_modes
 
