@@ -35,8 +35,8 @@ from dsv4.hf_config import checkpoint_architecture, load_config
 from dsv4.weights import randomize_
 from graphs.audit import AuditMode
 from platforms import Platform, current_platform, get_platform, simulate
-from runners.base import ModelRunner
-from runners.batch import DEFAULT_CAPTURE_SIZES
+from runners.base import DEFAULT_MAX_GRAPH_CONTEXTS, ModelRunner
+from runners.batch import DEFAULT_CAPTURE_SIZES, DEFAULT_FIRST_CONTEXT_BUCKET
 from runners.capacity import Capacity, CapacityPlan, MaxModelLenCappedWarning
 from runners.engine import LLM
 from runners.errors import UnsupportedDtypeError
@@ -79,6 +79,10 @@ class EngineSpec:
     eager_region: str = "auto"
     unsafe_region: bool = False
     capture_sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES
+    first_context_bucket: int = DEFAULT_FIRST_CONTEXT_BUCKET
+    """Tokens the smallest context bucket covers; each next one doubles (``runners.batch``)."""
+    max_graph_contexts: int = DEFAULT_MAX_GRAPH_CONTEXTS
+    """Context buckets graphs are held for; steps in others run eagerly at their exact width."""
     max_num_tokens: int = 64
     """Tokens one step may carry (``--max-num-batched-tokens``: the persistent buffers' size
     and the engine's token budget)."""
@@ -132,7 +136,7 @@ def build_model(spec: EngineSpec) -> DeepseekV4ForCausalLM:
     dtype = compute_dtype_of(spec)
     if spec.checkpoint is not None:
         return load_checkpoint(spec.checkpoint, dtype=dtype, quantization=spec.quantization)
-    config = DeepseekV4Config.tiny()
+    config = config_of(spec)
     model = DeepseekV4ForCausalLM(config, dtype=dtype)
     randomize_(model, spec.builtin_seed, num_experts=config.n_routed_experts)
     return model
@@ -190,6 +194,8 @@ def build_engine(spec: EngineSpec, *, model: DeepseekV4ForCausalLM | None = None
         capture_sizes=spec.capture_sizes,
         max_num_tokens=spec.max_num_tokens,
         audit=spec.audit,
+        first_context_bucket=spec.first_context_bucket,
+        max_graph_contexts=spec.max_graph_contexts,
     )
     return Engine(resolution=resolution, runner=runner, llm=LLM(runner), capacity=plan)
 
@@ -233,6 +239,8 @@ def build_runner(
     capture_sizes: Iterable[int] = DEFAULT_CAPTURE_SIZES,
     max_num_tokens: int = 256,
     audit: AuditMode = "raise",
+    first_context_bucket: int = DEFAULT_FIRST_CONTEXT_BUCKET,
+    max_graph_contexts: int = DEFAULT_MAX_GRAPH_CONTEXTS,
 ) -> ModelRunner:
     """The runner class ``resolution`` chose, over ``model``, with the resolved graph modes and
     eager region (the model itself is not changed)."""
@@ -246,4 +254,6 @@ def build_runner(
         capture_sizes=capture_sizes,
         max_num_tokens=max_num_tokens,
         audit=audit,
+        first_context_bucket=first_context_bucket,
+        max_graph_contexts=max_graph_contexts,
     )

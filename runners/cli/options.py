@@ -8,7 +8,8 @@ from typing import Any
 
 from dsv4.dtypes import DTYPE_CHOICES
 from graphs import STRATEGIES
-from runners.batch import DEFAULT_CAPTURE_SIZES
+from runners.base import DEFAULT_MAX_GRAPH_CONTEXTS
+from runners.batch import DEFAULT_CAPTURE_SIZES, DEFAULT_FIRST_CONTEXT_BUCKET
 from runners.capacity import DEFAULT_MEMORY_FRACTION
 from runners.cli.errors import UsageError
 from runners.cli.values import at_least, byte_count, probability
@@ -148,6 +149,22 @@ def add_capacity_options(parser: argparse.ArgumentParser) -> None:
         help="KV cache budget as a share of the device's free memory after loading "
         f"(default: {DEFAULT_MEMORY_FRACTION})",
     )
+    group.add_argument(
+        "--first-context-bucket",
+        type=at_least(1),
+        default=None,
+        metavar="TOKENS",
+        help="context the smallest graphs cover; each next bucket doubles up to "
+        f"--max-model-len (default: {DEFAULT_FIRST_CONTEXT_BUCKET})",
+    )
+    group.add_argument(
+        "--max-graph-contexts",
+        type=at_least(1),
+        default=None,
+        metavar="N",
+        help="context buckets graphs are held for; steps in others run eagerly at their "
+        f"exact context (default: {DEFAULT_MAX_GRAPH_CONTEXTS})",
+    )
 
 
 def capacity_fields(args: argparse.Namespace) -> dict[str, Any]:
@@ -161,7 +178,13 @@ def capacity_fields(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(
             f"--max-num-batched-tokens {tokens} is below the largest capture size {max(sizes)}"
         )
+    buckets = {
+        name: getattr(args, name)
+        for name in ("first_context_bucket", "max_graph_contexts")
+        if getattr(args, name) is not None
+    }
     return {
+        **buckets,
         "max_num_tokens": tokens,
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,

@@ -47,6 +47,9 @@ RUNNER_NAMES = tuple(RUNNERS)
 REGION_NAMES = tuple(region.name for region in STRATEGIES)
 MODE_NAMES = tuple(mode.name for mode in CUDAGraphMode)
 DEFAULT_PROMPTS = ((7, 3, 11, 5, 2), tuple(range(40, 61)), tuple(range(100, 137)))
+MATRIX_FIRST_CONTEXT_BUCKET = 16
+"""The matrix's smallest context bucket (unless given): small, so the default prompts cross
+bucket boundaries mid-generation and every cell covers graphs of several context widths."""
 
 
 @attrs.frozen(kw_only=True)
@@ -84,7 +87,11 @@ def run_matrix(options: MatrixOptions, progress: Callable[[str], None]) -> dict[
         dtype=options.dtype,
         capture_sizes=sizes,
         unsafe_region=options.unsafe_region,
-        **{"max_num_tokens": max(64, *sizes), **options.capacity},
+        **{
+            "max_num_tokens": max(64, *sizes),
+            "first_context_bucket": MATRIX_FIRST_CONTEXT_BUCKET,
+            **options.capacity,
+        },
     )
     platforms = _platforms(options.platforms, simulate=options.simulate)
     dtype = compute_dtype_of(base)

@@ -28,6 +28,9 @@ DSV4 = "DeepseekV4ForCausalLM"
 LAYOUT = CacheLayout(num_blocks=48, block_size=4, max_rows=4, max_blocks_per_row=8)
 CAPTURE_SIZES = (1, 2, 4)
 MAX_NUM_TOKENS = 16
+FIRST_CONTEXT_BUCKET = 8
+"""Context buckets of 8, 16 and 32 tokens (``LAYOUT`` addresses 32): prompts and generations
+cross bucket boundaries, so graphs of several context widths serve one request."""
 STEP_BUDGET = 7
 """Tokens per engine step: prefill chunks of up to 7 tokens, so some mixed batches are padded
 into a captured size and others (5..7 tokens) run eagerly above the largest one."""
@@ -51,6 +54,7 @@ def tiny_runner(
     capture_sizes: Sequence[int] = CAPTURE_SIZES,
     seed: int = 0,
     model: DeepseekV4ForCausalLM | None = None,
+    max_graph_contexts: int = 4,
 ) -> ModelRunner:
     """The resolved runner over ``model`` (a fresh tiny model of ``seed`` if not given)."""
     if model is None:
@@ -62,6 +66,8 @@ def tiny_runner(
         capture_sizes=capture_sizes,
         max_num_tokens=MAX_NUM_TOKENS,
         audit=audit,
+        first_context_bucket=FIRST_CONTEXT_BUCKET,
+        max_graph_contexts=max_graph_contexts,
     )
 
 
@@ -100,6 +106,5 @@ def max_logit_difference(a: Generation, b: Generation) -> float:
 
 
 def captured_sizes(runner: ModelRunner) -> tuple[tuple[CUDAGraphMode, int], ...]:
-    """The (mode, padded size) of each graph ``runner`` captured, in capture order (every
-    runner here has one context bucket: ``LAYOUT`` addresses 32 tokens)."""
+    """The (mode, padded size) of each graph ``runner`` captured, in capture order."""
     return tuple((key.mode, key.num_tokens) for key in runner.captured)

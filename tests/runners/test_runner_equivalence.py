@@ -46,6 +46,20 @@ def eager(batch: list[list[int]], max_tokens: int) -> Generation:
     return greedy(runner_for("v2", CUDAGraphMode.NONE), batch, max_tokens)
 
 
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_a_request_crossing_context_buckets_mid_generation_equals_eager(runner: str) -> None:
+    """A 6-token prompt generating 20 tokens crosses the 8- and 16-token bucket boundaries
+    while decoding: its decode steps replay graphs of three context widths (FULL for V2,
+    PIECEWISE for V1)."""
+    under_test = runner_for(runner, CUDAGraphMode.FULL_AND_PIECEWISE)
+    batch = [[5, 9, 200, 31, 7, 64]]
+    got, reference = greedy(under_test, batch, 20), eager(batch, 20)
+    assert got.tokens == reference.tokens
+    assert max_logit_difference(got, reference) <= 1e-5
+    widths = {key.width for key in under_test.captured if key.mode is under_test.decode_mode}
+    assert widths == set(under_test.context_buckets.widths) == {2, 4, 8}
+
+
 @pytest.mark.parametrize(("runner", "mode"), PAIRS, ids=[f"{r}-{m.name}" for r, m in PAIRS])
 @settings(max_examples=4)
 @given(batch=prompts, max_tokens=st.integers(2, 6))

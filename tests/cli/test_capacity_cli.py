@@ -1,0 +1,88 @@
+"""Capacity flags on the CLI: ``run --json`` reports the derived layout, the capped default
+context is one note line, and a capacity that cannot be served is one error line, exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dsv4.cache import bytes_per_token
+from dsv4.config import DeepseekV4Config
+from runners.cli.main import main
+
+RUN = ["run", "--prompt-ids", "1,2,3", "--max-new-tokens", "3", "--platform", "cpu"]
+FAST = ["--capture-sizes", "1,2", "--threads", "1"]
+
+
+def _per_token() -> int:
+    config = DeepseekV4Config.tiny()
+    per_type = bytes_per_token(config, torch.float32)
+    return sum(per_type[t] for t in config.layer_types)
+
+
+def test_run_json_reports_the_layout_the_flags_derive(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [
+        *RUN,
+        *FAST,
+        "--max-model-len",
+        "96",
+        "--max-num-seqs",
+        "3",
+        "--block-size",
+        "8",
+        "--max-num-batched-tokens",
+        "24",
+        "--kv-cache-memory",
+        "64MiB",
+        "--first-context-bucket",
+        "32",
+        "--json",
+    ]
+    assert main(argv) == 0
+    payload = json.loads(capsys.readouterr().out)
+    per_token = _per_token()
+    assert payload["capacity"] == {
+        "max_model_len": 96,
+        "max_num_seqs": 3,
+        "block_size": 8,
+        "num_blocks": 3 * 12,
+        "max_blocks_per_seq": 12,
+        "kv_cache_bytes": 3 * 12 * 8 * per_token,
+        "kv_budget_bytes": 64 * 2**20,
+        "kv_bytes_per_token": per_token,
+        "note": None,
+    }
+    # buckets of 32, 64 and 96 tokens (4, 8 and 12 blocks), every one captured ahead of time
+    assert payload["graphs"]["captured_contexts"] == [32, 64, 96]
+
+
+def test_a_capped_default_context_is_one_note_line(capsys: pytest.CaptureFixture[str]) -> None:
+    budget = 20 * 16 * _per_token()  # 20 blocks of 16 tokens: 320 of the declared 1024
+    assert main([*RUN, *FAST, "--kv-cache-memory", str(budget), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["capacity"]["max_model_len"] == 320
+    notes = [line for line in captured.err.splitlines() if "capped" in line]
+    assert len(notes) == 1 and "max-model-len capped to 320 tokens" in notes[0]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-model-len", "4096"], "exceeds the model's max_position_embeddings 1024"),
+        (["--kv-cache-memory", "1KiB"], "holds no block of 16 tokens"),
+        (["--kv-cache-memory", "lots"], "--kv-cache-memory: expected bytes"),
+        (["--memory-fraction", "2"], "--memory-fraction: must be in (0, 1]"),
+        (["--kv-cache-memory", "1GiB", "--memory-fraction", "0.5"], "not allowed with"),
+        (["--max-num-batched-tokens", "1"], "below the largest capture size 2"),
+    ],
+)
+def test_capacity_that_cannot_be_served_is_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    code = main([*RUN, *FAST, *flags])
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert code == 2 and captured.out == ""
+    assert len(lines) == 1 and message in lines[0], captured.err
