@@ -227,7 +227,7 @@ class DeepseekV4Config:
             moe_intermediate_size=256,
             n_routed_experts=16,
             num_experts_per_tok=4,
-            max_position_embeddings=4096,
+            max_position_embeddings=65536,
             bos_token_id=256,
             eos_token_id=257,
             pad_token_id=258,

@@ -8,8 +8,10 @@ Invariants:
   never exceeds what ``max_num_seqs`` requests of the maximum context need, so a small model
   does not take memory it can never use.
 - The budget is ``kv_cache_memory`` bytes when given, else ``memory_fraction`` of the device's
-  free memory measured after the model is loaded (``DEFAULT_MEMORY_FRACTION`` when neither is
-  given).
+  free memory measured after the model is loaded. When neither is given it is
+  ``DEFAULT_MEMORY_FRACTION`` of free memory, and at most ``DEFAULT_CPU_KV_CACHE_MEMORY`` on the
+  CPU, where the caches share memory with everything else (vLLM's CPU backend defaults to the
+  same 4 GiB).
 - ``max_model_len`` defaults to the checkpoint's ``max_position_embeddings``; when the budget
   cannot hold one request of that length, it is capped to what the budget holds, with a note.
   An explicit ``max_model_len`` above ``max_position_embeddings``, or one the budget cannot
@@ -30,6 +32,7 @@ from dsv4.config import DeepseekV4Config
 from runners.layout import CacheLayout
 
 __all__ = [
+    "DEFAULT_CPU_KV_CACHE_MEMORY",
     "DEFAULT_MEMORY_FRACTION",
     "Capacity",
     "CapacityError",
@@ -40,6 +43,8 @@ __all__ = [
 
 DEFAULT_MEMORY_FRACTION = 0.5
 """Share of the device's free memory the KV caches may take when no budget is given."""
+DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 2**30
+"""The most the KV caches take on the CPU when no budget is given."""
 
 
 class CapacityError(ValueError):
@@ -99,9 +104,12 @@ class Capacity:
         self.check(config, dtype)
         if self.kv_cache_memory is not None:
             budget = self.kv_cache_memory
+        elif self.memory_fraction is not None:
+            budget = int(free_memory(device) * self.memory_fraction)
         else:
-            fraction = self.memory_fraction or DEFAULT_MEMORY_FRACTION
-            budget = int(free_memory(device) * fraction)
+            budget = int(free_memory(device) * DEFAULT_MEMORY_FRACTION)
+            if device.type == "cpu":
+                budget = min(budget, DEFAULT_CPU_KV_CACHE_MEMORY)
         per_token = _per_token(config, dtype)
         budget_blocks = self._blocks_for_budget(per_token, budget)
         declared = config.max_position_embeddings

@@ -20,6 +20,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from runners.cli.context_sweep import add_sweep_arguments, render_sweep, sweep_options
 from runners.cli.errors import UsageError
 from runners.cli.options import (
     PLATFORM_HELP,
@@ -32,6 +33,7 @@ from runners.cli.options import (
 )
 from runners.cli.progress import Progress
 from runners.cli.values import at_least
+from runners.measure.context_sweep import run_context_sweep
 from runners.measure.suite import BenchOptions, run_benchmark
 from runners.spec import EngineSpec
 
@@ -74,6 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rounds", type=at_least(1), default=3, help="throughput rounds (default: 3)"
     )
     add_capacity_options(parser)
+    add_sweep_arguments(parser)
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -87,6 +90,17 @@ def _validate(args: argparse.Namespace) -> None:
 def execute(args: argparse.Namespace) -> dict[str, Any]:
     _validate(args)
     progress = Progress.for_terminal(json_output=args.json)
+    if args.context_sweep:
+        base = EngineSpec(
+            checkpoint=Path(args.checkpoint) if args.checkpoint else None,
+            quantization=args.quantization,
+            dtype=args.dtype,
+            platform=args.platform,
+            simulate=args.simulate,
+        )
+        sweep = run_context_sweep(base, sweep_options(args), progress.update)
+        progress.done("context sweep done")
+        return {"context_sweep": sweep}
     base = EngineSpec(
         checkpoint=Path(args.checkpoint) if args.checkpoint else None,
         quantization=args.quantization,
@@ -120,6 +134,8 @@ def _mib(nbytes: int | None) -> str:
 
 
 def render(payload: dict[str, Any]) -> str:
+    if "context_sweep" in payload:
+        return render_sweep(payload["context_sweep"])
     simulated = " (simulated on the CPU)" if payload["simulated"] else ""
     lines = [
         f"platform {payload['platform']}{simulated}, device {payload['device']}",

@@ -147,7 +147,7 @@ def add_capacity_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="F",
         help="KV cache budget as a share of the device's free memory after loading "
-        f"(default: {DEFAULT_MEMORY_FRACTION})",
+        f"(default: {DEFAULT_MEMORY_FRACTION}, at most 4 GiB on the CPU)",
     )
     group.add_argument(
         "--first-context-bucket",

@@ -1,0 +1,176 @@
+"""The context sweep: what a long maximum context and a long actual context cost.
+
+- **Decode latency by actual context.** One request decodes one token at an actual context of
+  ``C`` tokens (its cache blocks addressed as after a prefill of ``C - 1`` tokens; a step's
+  cost does not depend on what the cache holds), with ``max_model_len`` set to the sweep's
+  maximum, under each graph mode. The same step at the smallest context is also timed with
+  ``max_model_len`` at the baseline (512): their ratio is what a large configured maximum costs
+  a short request. Graphs are held for every context bucket, so every context replays a graph
+  of its own bucket. Engines are timed interleaved, round-robin, as medians.
+- **Prefill throughput** of one ``prefill_tokens``-token prompt, chunked through the engine.
+- **KV cache bytes per token** of one layer of each type, in the model's compute dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from dsv4.cache import bytes_per_token
+from dsv4.dtypes import dtype_name
+from dsv4.model import DeepseekV4ForCausalLM
+from runners.capacity import CapacityError
+from runners.engine import SamplingParams, ScheduledChunk
+from runners.measure.benchmark import timed
+from runners.spec import Engine, EngineSpec, build_engine, build_model
+from runners.threads import apply_threads
+
+__all__ = ["SweepOptions", "run_context_sweep"]
+
+MODES = {"eager": "NONE", "piecewise": "PIECEWISE", "full": "FULL_AND_PIECEWISE"}
+"""Graph mode of each configuration, by name (a decode step replays FULL under the last)."""
+
+
+@attrs.frozen(kw_only=True)
+class SweepOptions:
+    contexts: tuple[int, ...] = (32, 1024, 8192, 32768)
+    max_model_len: int = 65536
+    baseline_max_model_len: int = 512
+    repeats: int = 20
+    prefill_tokens: int = 32768
+    prefill_chunk: int = 256
+    """Tokens per prefill step (``max_num_batched_tokens``)."""
+    block_size: int = 16
+    threads: int | None = None
+    """Torch CPU threads (``None``: the default for the model's size, ``runners.threads``)."""
+
+
+def run_context_sweep(
+    base: EngineSpec, options: SweepOptions, progress: Callable[[str], None]
+) -> dict[str, Any]:
+    """Measure (see the module docstring); ``CapacityError`` when the model declares fewer
+    positions than the sweep needs."""
+    progress("loading model")
+    model = build_model(base)
+    config = model.config
+    threads = apply_threads(options.threads, config.hidden_size)
+    longest = max(options.max_model_len, options.prefill_tokens + 1)
+    if longest > config.max_position_embeddings or max(options.contexts) > options.max_model_len:
+        raise CapacityError(
+            f"the context sweep needs contexts up to {longest} tokens; this model declares "
+            f"{config.max_position_embeddings} (try a checkpoint of 'dsv4 init-checkpoint "
+            "--preset small', which declares 65536)"
+        )
+    latency = _decode_latency(base, model, options, progress)
+    progress(f"prefill of {options.prefill_tokens} tokens")
+    prefill = _prefill(base, model, options)
+    per_type = bytes_per_token(config, model.compute_dtype)
+    return {
+        "dtype": dtype_name(model.compute_dtype),
+        "threads": threads,
+        "max_model_len": options.max_model_len,
+        "baseline_max_model_len": options.baseline_max_model_len,
+        "decode": latency,
+        "prefill": prefill,
+        "kv_bytes_per_token": {
+            "per_layer_type": per_type,
+            "layers": {t: config.layer_types.count(t) for t in per_type},
+            "total": sum(per_type[t] for t in config.layer_types),
+        },
+    }
+
+
+def _engine(
+    base: EngineSpec, model: DeepseekV4ForCausalLM, mode: str, max_model_len: int, block: int
+) -> Engine:
+    spec = attrs.evolve(
+        base,
+        cudagraph_mode=mode,
+        max_model_len=max_model_len,
+        max_num_seqs=1,
+        block_size=block,
+        capture_sizes=(1,),
+        max_graph_contexts=64,
+    )
+    return build_engine(spec, model=model)
+
+
+def _decode_chunk(context: int, block_size: int) -> ScheduledChunk:
+    return ScheduledChunk(
+        row=0,
+        block_ids=tuple(range(-(-context // block_size))),
+        start_position=context - 1,
+        num_tokens=1,
+    )
+
+
+def _decode_latency(
+    base: EngineSpec,
+    model: DeepseekV4ForCausalLM,
+    options: SweepOptions,
+    progress: Callable[[str], None],
+) -> dict[str, Any]:
+    """Median decode-step microseconds per (engine, context), and the baseline ratios."""
+    block = options.block_size
+    shortest = min(options.contexts)
+    runs: list[tuple[str, int, Engine, ScheduledChunk]] = []
+    for name, mode in MODES.items():
+        engine = _engine(base, model, mode, options.max_model_len, block)
+        runs += [(name, c, engine, _decode_chunk(c, block)) for c in options.contexts]
+        baseline = _engine(base, model, mode, options.baseline_max_model_len, block)
+        runs.append((f"{name}@baseline", shortest, baseline, _decode_chunk(shortest, block)))
+    token = [[1]]
+    for name, context, engine, chunk in runs:  # warm up (and capture each bucket's graphs)
+        progress(f"warming up {name} at context {context}")
+        for _ in range(3):
+            engine.runner.execute([chunk], token)
+    samples: dict[tuple[str, int], list[float]] = {(n, c): [] for n, c, _, _ in runs}
+    for round_index in range(options.repeats):
+        progress(f"round {round_index + 1}/{options.repeats}")
+        shift = round_index % len(runs)
+        for name, context, engine, chunk in runs[shift:] + runs[:shift]:
+            step = functools.partial(engine.runner.execute, [chunk], token)
+            _, seconds = timed(step, engine.runner.device)
+            samples[name, context].append(seconds)
+    median_us = {key: statistics.median(s) * 1e6 for key, s in samples.items()}
+    table = {
+        name: {str(c): round(median_us[name, c], 1) for c in options.contexts} for name in MODES
+    }
+    ratios = {
+        name: round(median_us[name, shortest] / median_us[f"{name}@baseline", shortest], 3)
+        for name in MODES
+    }
+    return {
+        "median_us": table,
+        "baseline_median_us": {n: round(median_us[f"{n}@baseline", shortest], 1) for n in MODES},
+        "shortest_context": shortest,
+        "ratio_to_baseline": ratios,
+    }
+
+
+def _prefill(
+    base: EngineSpec, model: DeepseekV4ForCausalLM, options: SweepOptions
+) -> dict[str, Any]:
+    spec = attrs.evolve(
+        base,
+        max_model_len=options.prefill_tokens + 1,
+        max_num_seqs=1,
+        block_size=options.block_size,
+        max_num_tokens=options.prefill_chunk,
+    )
+    engine = build_engine(spec, model=model)
+    vocab = model.config.vocab_size
+    prompt = [(7 * i + 3) % min(vocab, 256) for i in range(options.prefill_tokens)]
+    params = SamplingParams(max_tokens=1)  # no EOS id: never stops early
+    _, seconds = timed(lambda: engine.llm.generate([prompt], params), engine.runner.device)
+    return {
+        "tokens": options.prefill_tokens,
+        "chunk": options.prefill_chunk,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(options.prefill_tokens / seconds, 1),
+        "kv_cache_bytes": engine.capacity.to_dict()["kv_cache_bytes"] if engine.capacity else None,
+    }
