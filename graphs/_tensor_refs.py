@@ -1,4 +1,8 @@
-"""References to storages that do not pin memory, and the tensors inside an op's arguments.
+"""References to storages that do not pin memory, and the tensors inside values.
+
+``tensors_of`` finds the tensors of an op's arguments or results (lists, tuples and dicts: all an
+op takes; it runs for every op recorded), ``map_tensors`` those of any Python value (eager-break
+arguments: named tuples and attrs instances too).
 
 Every dispatch mode of ``graphs`` tells memory apart by storage, not by tensor: views share their
 base's storage, and a storage outlives the tensor objects over it.
@@ -10,11 +14,13 @@ recorded during one segment never collide.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar, cast
 
+import attrs
 import torch
 
-__all__ = ["WeakStorage", "storage_key", "tensors_of"]
+__all__ = ["WeakStorage", "map_tensors", "storage_key", "tensors_of"]
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -65,3 +71,23 @@ def _collect(value: Any, found: list[torch.Tensor]) -> None:
     elif isinstance(value, dict):
         for v in value.values():
             _collect(v, found)
+
+
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``value`` with every tensor ``t`` in it replaced by ``fn(t)``, through tuples (named ones
+    too), lists, dict values and attrs instances (their ``__init__`` fields), each rebuilt as its
+    type; any other value is kept as it is. ``fn`` sees the tensors in order, depth first."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(map_tensors(v, fn) for v in value))
+    if isinstance(value, tuple | list):
+        return type(value)(map_tensors(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: map_tensors(v, fn) for k, v in value.items()}
+    if attrs.has(type(value)):
+        fields = [f for f in attrs.fields(type(value)) if f.init]
+        return attrs.evolve(
+            value, **{f.alias: map_tensors(getattr(value, f.name), fn) for f in fields}
+        )
+    return value

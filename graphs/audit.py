@@ -28,7 +28,7 @@ import torch
 
 from graphs._ops import LITERALS, QuietDispatchMode, arguments, is_like_factory, op_name
 from graphs._source import user_location
-from graphs._tensor_refs import WeakStorage, storage_key
+from graphs._tensor_refs import WeakStorage, map_tensors, storage_key
 from graphs.allocations import AllocationSites, AllocationTracker, new_allocations
 from graphs.errors import CaptureAuditError
 from graphs.static_memory import StaticMemory
@@ -103,21 +103,6 @@ def _accessed(
                 yield v, access
 
 
-def _tensor_leaves(value: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in ``value``, through tuples, lists, dict values and attrs instances."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensor_leaves(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensor_leaves(v)
-    elif attrs.has(type(value)):
-        for field in attrs.fields(type(value)):
-            yield from _tensor_leaves(getattr(value, field.name))
-
-
 _EAGER_ARGUMENT_CONSEQUENCE = (
     "every replay would re-run the break on its capture-time value, which a CUDA graph holds "
     "only by address (it may dangle once freed); pass static memory or captured outputs"
@@ -139,7 +124,6 @@ class CaptureAudit(QuietDispatchMode):
         self,
         *,
         mode: AuditMode,
-        is_capturing: Callable[[], bool],
         static: StaticMemory | None = None,
         allocations: AllocationTracker | None = None,
     ) -> None:
@@ -147,7 +131,9 @@ class CaptureAudit(QuietDispatchMode):
         if mode not in AUDIT_MODES:
             raise ValueError(f"unknown audit mode {mode!r}; expected one of {AUDIT_MODES}")
         self.mode: AuditMode = mode
-        self._is_capturing = is_capturing
+        self.capturing = False
+        """Whether a graph segment records now (the capture sets it): only then are accesses
+        checked."""
         self._static = static.storages() if static is not None else {}
         self._allocations = allocations
         self._stable: dict[int, WeakStorage | None] = {}
@@ -161,7 +147,7 @@ class CaptureAudit(QuietDispatchMode):
     def dispatch(
         self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        capturing = self._is_capturing()
+        capturing = self.capturing
         result = func(*args, **kwargs)
         allocated = new_allocations(func, args, kwargs, result)
         if capturing and _touches_data(func):
@@ -184,11 +170,16 @@ class CaptureAudit(QuietDispatchMode):
     def check_eager_arguments(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
-        """Check the tensors an eager break is called with (inside containers and attrs values)
-        as captured reads are checked: each must be stable across replays."""
+        """Check the tensors an eager break is called with (inside containers and attrs values:
+        those ``map_tensors`` reaches, as a backend's ``hold`` does) as captured reads are
+        checked: each must be stable across replays."""
         name = f"eager break {getattr(fn, '__qualname__', repr(fn))}"
-        for tensor in _tensor_leaves((args, kwargs)):
+
+        def check(tensor: torch.Tensor) -> torch.Tensor:
             self._check(name, tensor, "is called with", _EAGER_ARGUMENT_CONSEQUENCE)
+            return tensor
+
+        map_tensors((args, kwargs), check)
 
     def _check(
         self,

@@ -81,7 +81,7 @@ def eager_break_during_capture(fn: Callable[..., R]) -> Callable[..., R]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> R:
         capture = _current()
-        if capture is None or capture.full or not capture._recording.on:
+        if capture is None or capture.full or not capture._recording:
             return fn(*args, **kwargs)
         return capture.add_eager(fn, args, kwargs)
 
@@ -99,19 +99,6 @@ class EagerSegment:
 
     def replay(self) -> None:
         self.fn(*self.held_args, **self.held_kwargs)
-
-
-class _Recording:
-    """Whether a graph segment is recording: shared with the audit without referring back to
-    the capture (a bound method of the capture would make a reference cycle)."""
-
-    __slots__ = ("on",)
-
-    def __init__(self) -> None:
-        self.on = False
-
-    def is_on(self) -> bool:
-        return self.on
 
 
 class BreakableCapture:
@@ -136,10 +123,10 @@ class BreakableCapture:
         self.audit_mode: AuditMode = mode
         self._allocations = allocations
         self._audit: CaptureAudit | None = None
-        self._audit_active = False
         self._inference_mode = False
         self._segments: list[GraphSegment | EagerSegment] = []
-        self._recording = _Recording()
+        self._recording = False
+        """Whether a graph segment records now (``_set_recording`` tells the audit too)."""
         self._state = "new"  # new -> capturing -> done | failed
 
     # -- context ---------------------------------------------------------------------------
@@ -249,26 +236,30 @@ class BreakableCapture:
     def _start_audit(self) -> None:
         if self.audit_mode == "off":
             return
-        self._audit = CaptureAudit(
+        audit = CaptureAudit(
             mode=self.audit_mode,
-            is_capturing=self._recording.is_on,
             static=self.static,
             allocations=self._allocations,
         )
-        self._audit.__enter__()
-        self._audit_active = True
+        audit.__enter__()
+        self._audit = audit
 
     def _stop_audit(self) -> None:
-        if self._audit is not None and self._audit_active:
-            self._audit_active = False
+        """Leave the audit mode (once: the capture is left once; its report stays readable)."""
+        if self._audit is not None:
             self._audit.__exit__(None, None, None)
+
+    def _set_recording(self, on: bool) -> None:
+        self._recording = on
+        if self._audit is not None:
+            self._audit.capturing = on
 
     def _begin_graph(self) -> None:
         self.backend.begin_segment()
-        self._recording.on = True
+        self._set_recording(True)
 
     def _end_graph(self) -> GraphSegment | None:
-        self._recording.on = False
+        self._set_recording(False)
         segment = self.backend.end_segment()
         if segment is not None:
             self._segments.append(segment)
@@ -281,8 +272,8 @@ class BreakableCapture:
             segment.replay()
 
     def _abort(self) -> None:
-        if self._recording.on:
-            self._recording.on = False
+        if self._recording:
+            self._set_recording(False)
             self.backend.abort_segment()
         self._segments.clear()
         self._state = "failed"

@@ -28,7 +28,7 @@ import attrs
 import torch
 
 from graphs._ops import QuietDispatchMode
-from graphs._tensor_refs import tensors_of
+from graphs._tensor_refs import map_tensors, tensors_of
 from graphs.backend import PoolGraphs
 from graphs.errors import BackendUnavailableError, CaptureError
 
@@ -88,22 +88,6 @@ def _non_owning_alias(tensor: torch.Tensor) -> torch.Tensor:
     alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
     alias.set_(memory, tensor.storage_offset(), tensor.shape, tensor.stride())
     return alias
-
-
-def _map_members(value: Any, fn: Callable[[Any], Any]) -> Any:
-    """``value`` with ``fn`` applied to each member of a tuple, list, dict or attrs instance."""
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(fn(v) for v in value))
-    if isinstance(value, tuple | list):
-        return type(value)(fn(v) for v in value)
-    if isinstance(value, dict):
-        return {k: fn(v) for k, v in value.items()}
-    if attrs.has(type(value)):
-        fields = attrs.fields(type(value))
-        return attrs.evolve(
-            value, **{f.alias: fn(getattr(value, f.name)) for f in fields if f.init}
-        )
-    return value
 
 
 class CudaGraphBackend:
@@ -170,11 +154,12 @@ class CudaGraphBackend:
     def hold(self, value: Any) -> Any:
         """GPU tensors a segment produced become non-owning aliases (also inside containers and
         attrs values); everything else is held as it is."""
-        if isinstance(value, torch.Tensor):
-            if value.is_cuda and value.untyped_storage().data_ptr() in self._produced:
-                return _non_owning_alias(value)
-            return value
-        return _map_members(value, self.hold)
+        return map_tensors(value, self._hold_tensor)
+
+    def _hold_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_cuda and tensor.untyped_storage().data_ptr() in self._produced:
+            return _non_owning_alias(tensor)
+        return tensor
 
     def _stop(self, *, aborting: bool) -> tuple[torch.cuda.CUDAGraph, bool]:
         if self._recording is None:

@@ -19,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
@@ -38,11 +39,18 @@ R = TypeVar("R")
 Prepared = Any
 
 
+@functools.total_ordering
 class EagerRegionStrategy:
-    """Base of the four regions; subclasses fix ``name`` and ``rank`` and the break layout."""
+    """Base of the four regions; subclasses fix ``name``, ``rank`` and where the breaks fall.
+
+    Ordered by ``rank`` (``<``; the other comparisons follow from it and ``==``)."""
 
     name: ClassVar[str]
     rank: ClassVar[int]
+    attend_breaks: ClassVar[bool] = False
+    """The attention core (*attend*) alone is an eager break; preparation is captured."""
+    region_breaks: ClassVar[bool] = False
+    """Preparation and attention core together are one eager break."""
 
     def join(self, other: EagerRegionStrategy) -> EagerRegionStrategy:
         """The wider of ``self`` and ``other`` (the least upper bound on the chain)."""
@@ -56,7 +64,13 @@ class EagerRegionStrategy:
         self, prepare: Callable[..., Prepared], attend: Callable[[Prepared], R]
     ) -> Callable[..., R]:
         """Return the callable that runs ``attend(prepare(*args, **kwargs))`` with breaks placed."""
-        raise NotImplementedError
+        if self.attend_breaks:
+            attend = eager_break_during_capture(attend)
+
+        def region(*args: Any, **kwargs: Any) -> R:
+            return attend(prepare(*args, **kwargs))
+
+        return eager_break_during_capture(region) if self.region_breaks else region
 
     def __eq__(self, other: object) -> bool:
         return type(self) is type(other)
@@ -67,29 +81,11 @@ class EagerRegionStrategy:
     def __lt__(self, other: EagerRegionStrategy) -> bool:
         return self.rank < other.rank
 
-    def __le__(self, other: EagerRegionStrategy) -> bool:
-        return self.rank <= other.rank
-
-    def __gt__(self, other: EagerRegionStrategy) -> bool:
-        return self.rank > other.rank
-
-    def __ge__(self, other: EagerRegionStrategy) -> bool:
-        return self.rank >= other.rank
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
     def __str__(self) -> str:
         return self.name
-
-
-def _sequential(
-    prepare: Callable[..., Prepared], attend: Callable[[Prepared], R]
-) -> Callable[..., R]:
-    def region(*args: Any, **kwargs: Any) -> R:
-        return attend(prepare(*args, **kwargs))
-
-    return region
 
 
 class FullGraph(EagerRegionStrategy):
@@ -98,22 +94,13 @@ class FullGraph(EagerRegionStrategy):
     name = "full-graph"
     rank = 0
 
-    def compose(
-        self, prepare: Callable[..., Prepared], attend: Callable[[Prepared], R]
-    ) -> Callable[..., R]:
-        return _sequential(prepare, attend)
-
 
 class NarrowRegion(EagerRegionStrategy):
     """Only the attention core (*attend*) is an eager break; input preparation is captured."""
 
     name = "narrow"
     rank = 1
-
-    def compose(
-        self, prepare: Callable[..., Prepared], attend: Callable[[Prepared], R]
-    ) -> Callable[..., R]:
-        return _sequential(prepare, eager_break_during_capture(attend))
+    attend_breaks = True
 
 
 class WideRegion(EagerRegionStrategy):
@@ -121,11 +108,7 @@ class WideRegion(EagerRegionStrategy):
 
     name = "wide"
     rank = 2
-
-    def compose(
-        self, prepare: Callable[..., Prepared], attend: Callable[[Prepared], R]
-    ) -> Callable[..., R]:
-        return eager_break_during_capture(_sequential(prepare, attend))
+    region_breaks = True
 
 
 class NoGraph(WideRegion):

@@ -2,37 +2,34 @@
 
 The tape reproduces CUDA-graph semantics (fixed tensor identities, frozen host decisions), so the
 CPU requires no eager region of its own and excludes nothing from the V2 default; it is always
-available. ``simulate`` reuses ``tape_memory_pool`` and ``tape_backend`` to run any platform's
-policy here.
+available. ``simulate`` reuses its device part to run any platform's policy here.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from graphs.backend import GraphBackend
 from graphs.strategies import FullGraph
+from graphs.tape import TapeBackend, TapePool
 from platforms.base import Platform
 
 __all__ = ["CpuPlatform", "tape_backend", "tape_memory_pool"]
 
 
-def tape_memory_pool() -> Any:
+def tape_memory_pool() -> TapePool:
     """A fresh tape arena pool (shared by every capture of one backend)."""
-    from graphs.tape import TapePool
-
     return TapePool()
 
 
-def tape_backend(pool: Any) -> GraphBackend:
-    """The CPU op-tape backend recording into ``pool`` (imported lazily)."""
-    from graphs.tape import TapeBackend
-
+def tape_backend(pool: TapePool) -> GraphBackend:
+    """The CPU op-tape backend recording into ``pool``."""
     return TapeBackend(pool=pool)
 
 
 class CpuPlatform(Platform):
-    """The CPU with the op-tape graph backend; always available."""
+    """The CPU with the op-tape graph backend; always available.
+
+    Its device part (``is_available`` and the two factories, typed for any ``Platform``) is
+    ``SimulatedPlatform``'s too."""
 
     name = "cpu"
     device_type = "cpu"
@@ -40,11 +37,11 @@ class CpuPlatform(Platform):
     eager_region_reason = "platform cpu requires nothing: the op tape replays against fixed tensors"
     v2_excluded_architectures: frozenset[str] = frozenset()
 
-    def is_available(self) -> bool:
+    def is_available(self: Platform) -> bool:
         return True
 
-    def create_memory_pool(self) -> Any:
+    def create_memory_pool(self: Platform) -> TapePool:
         return tape_memory_pool()
 
-    def create_graph_backend(self, pool: Any) -> GraphBackend:
+    def create_graph_backend(self: Platform, pool: TapePool) -> GraphBackend:
         return tape_backend(pool)

@@ -1,4 +1,5 @@
-"""``CudaPlatform``: NVIDIA GPUs through CUDA graphs.
+"""``CudaPlatform``: NVIDIA GPUs through CUDA graphs, and ``CudaApiPlatform``, the device part it
+shares with ROCm (torch's ``cuda`` API).
 
 CUDA graphs replay captured kernels against fixed addresses, so the platform itself requires no
 eager region (FULL graphs are possible wherever the runner allows them) and excludes nothing from
@@ -7,63 +8,61 @@ the ``ModelRunnerV2`` default.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import ClassVar
 
 import torch
 
 from graphs.backend import GraphBackend
+from graphs.cuda_backend import CudaGraphBackend, CudaGraphPool
 from graphs.strategies import FullGraph
 from platforms.base import Platform
 
-__all__ = ["CudaPlatform", "cuda_graph_backend", "cuda_graph_pool", "gpu_dtype_reason"]
+__all__ = ["CudaApiPlatform", "CudaPlatform"]
 
 
-def cuda_graph_pool() -> Any:
-    """A fresh CUDA graph memory pool (shared by every capture of one backend)."""
-    from graphs.cuda_backend import CudaGraphPool
+class CudaApiPlatform(Platform):
+    """The device part of a GPU platform driven through torch's ``cuda`` API (CUDA and ROCm
+    builds alike): graphs recorded by ``CudaGraphBackend`` into a fresh ``CudaGraphPool``.
 
-    return CudaGraphPool()
+    Subclasses set ``name``, the reasons, and ``hip``: whether the platform runs on a ROCm (HIP)
+    build of torch (``True``) or on a CUDA one (``False``); it is available only on that build
+    with a GPU torch sees. The policy defaults to requiring nothing: FULL graphs, no exclusions.
+    """
 
+    device_type = "cuda"
+    eager_region_strategy = FullGraph()
+    v2_excluded_architectures: frozenset[str] = frozenset()
+    hip: ClassVar[bool]
 
-def cuda_graph_backend(device: torch.device, pool: Any) -> GraphBackend:
-    """The CUDA graph backend on ``device`` recording into ``pool`` (imported lazily)."""
-    from graphs.cuda_backend import CudaGraphBackend
+    def is_available(self) -> bool:
+        return (torch.version.hip is not None) == self.hip and torch.cuda.is_available()
 
-    return CudaGraphBackend(device=device, pool=pool)
-
-
-def gpu_dtype_reason(dtype: torch.dtype) -> str | None:
-    """Why the current GPU cannot compute in ``dtype`` (bfloat16 needs native support: CUDA
-    compute capability 8.0 or newer, or a ROCm GPU that has it); ``None`` when it can."""
-    if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
+    def unsupported_dtype_reason(self, dtype: torch.dtype) -> str | None:
+        """bfloat16 needs native support (CUDA compute capability 8.0 or newer, or a ROCm GPU
+        that has it); asked of an unavailable platform, nothing is refused."""
+        if not self.is_available() or dtype != torch.bfloat16:
+            return None
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return None
         return f"{torch.cuda.get_device_name()} has no native bfloat16 support"
-    return None
+
+    def create_memory_pool(self) -> CudaGraphPool:
+        return CudaGraphPool()
+
+    def create_graph_backend(self, pool: CudaGraphPool) -> GraphBackend:
+        return CudaGraphBackend(device=self.device, pool=pool)
 
 
-class CudaPlatform(Platform):
+class CudaPlatform(CudaApiPlatform):
     """NVIDIA CUDA: available when torch sees a GPU and is not a ROCm (HIP) build."""
 
     name = "cuda"
-    device_type = "cuda"
-    eager_region_strategy = FullGraph()
+    hip = False
     eager_region_reason = (
         "platform cuda requires nothing: CUDA graphs replay against fixed addresses"
     )
-    v2_excluded_architectures: frozenset[str] = frozenset()
-
-    def is_available(self) -> bool:
-        return torch.version.hip is None and torch.cuda.is_available()
 
     def unavailable_reason(self) -> str:
         if torch.version.hip is not None:
             return "this torch is a ROCm build; use the rocm platform"
         return "torch sees no CUDA GPU"
-
-    def unsupported_dtype_reason(self, dtype: torch.dtype) -> str | None:
-        return gpu_dtype_reason(dtype) if self.is_available() else None
-
-    def create_memory_pool(self) -> Any:
-        return cuda_graph_pool()
-
-    def create_graph_backend(self, pool: Any) -> GraphBackend:
-        return cuda_graph_backend(self.device, pool)

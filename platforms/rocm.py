@@ -8,24 +8,18 @@ correctness one — an explicit runner choice still wins.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from graphs.backend import GraphBackend
-from graphs.strategies import FullGraph
-from platforms.base import Platform
-from platforms.cuda import cuda_graph_backend, cuda_graph_pool, gpu_dtype_reason
+from platforms.cuda import CudaApiPlatform
 
 __all__ = ["RocmPlatform"]
 
 
-class RocmPlatform(Platform):
+class RocmPlatform(CudaApiPlatform):
     """AMD ROCm: available when torch is a HIP build and sees a GPU."""
 
     name = "rocm"
-    device_type = "cuda"
-    eager_region_strategy = FullGraph()
+    hip = True
     eager_region_reason = (
         "platform rocm requires nothing: HIP graphs replay against fixed addresses"
     )
@@ -37,19 +31,7 @@ class RocmPlatform(Platform):
             "ModelRunnerV1 is the faster runner for it on ROCm (a performance default)"
         )
 
-    def is_available(self) -> bool:
-        return torch.version.hip is not None and torch.cuda.is_available()
-
     def unavailable_reason(self) -> str:
         if torch.version.hip is None:
             return "this torch is not a ROCm (HIP) build"
         return "torch sees no ROCm GPU"
-
-    def unsupported_dtype_reason(self, dtype: torch.dtype) -> str | None:
-        return gpu_dtype_reason(dtype) if self.is_available() else None
-
-    def create_memory_pool(self) -> Any:
-        return cuda_graph_pool()
-
-    def create_graph_backend(self, pool: Any) -> GraphBackend:
-        return cuda_graph_backend(self.device, pool)

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphs.backend import GraphBackend
 from platforms.base import Platform
-from platforms.cpu import tape_backend, tape_memory_pool
+from platforms.cpu import CpuPlatform
 
 __all__ = ["SimulatedPlatform", "simulate"]
 
@@ -35,15 +34,9 @@ class SimulatedPlatform(Platform):
         self.platform: Platform = inner
         super().__init__()
 
-    def is_available(self) -> bool:
-        return True
-
-    def create_memory_pool(self) -> Any:
-        return tape_memory_pool()
-
-    def create_graph_backend(self, pool: Any) -> GraphBackend:
-        return tape_backend(pool)
-
+    is_available = CpuPlatform.is_available
+    create_memory_pool = CpuPlatform.create_memory_pool
+    create_graph_backend = CpuPlatform.create_graph_backend
     device = Platform.device
     graph_backend = Platform.graph_backend
     require_available = Platform.require_available

@@ -24,7 +24,7 @@ __all__ = [
     "bitwise_equal",
     "call_matches",
     "inplace_copies",
-    "mutated_arguments",
+    "mutated_tensors",
     "reproduces",
 ]
 
@@ -84,28 +84,28 @@ def call_matches(
 
 def inplace_copies(
     func: torch._ops.OpOverload,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    mutated: Sequence[torch.Tensor],
     key: tuple[Any, ...] | None,
     known: Container[tuple[Any, ...]],
 ) -> dict[int, torch.Tensor]:
-    """Copies of the tensors ``func`` mutates, to check the ``Tensor`` method path against
-    (none if the call's signature ``key`` is ``known``: its plan was chosen before)."""
+    """Copies of ``mutated`` (``mutated_tensors`` of the call), to check the ``Tensor`` method
+    path against (none if the call's signature ``key`` is ``known``: its plan was chosen before)."""
     name = op_name(func)
     if not name.endswith("_") or not hasattr(torch.Tensor, name):
         return {}
     if key is not None and key in known:
         return {}
-    mutated = [
-        value for value in mutated_arguments(func, args, kwargs) if isinstance(value, torch.Tensor)
-    ]
     if sum(t.untyped_storage().nbytes() for t in mutated) > _VALIDATE_INPLACE_MAX_BYTES:
         return {}
     return {id(t): t.clone(memory_format=torch.preserve_format) for t in mutated}
 
 
-def mutated_arguments(
+def mutated_tensors(
     func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> list[Any]:
-    """The arguments ``func``'s schema marks as written (``Tensor(a!)``), as passed."""
-    return [value for value, written in arguments(func, args, kwargs) if written]
+) -> list[torch.Tensor]:
+    """The tensor arguments ``func``'s schema marks as written (``Tensor(a!)``), as passed."""
+    return [
+        value
+        for value, written in arguments(func, args, kwargs)
+        if written and isinstance(value, torch.Tensor)
+    ]

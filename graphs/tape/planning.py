@@ -171,13 +171,13 @@ def _out_candidates(func: torch._ops.OpOverload) -> tuple[CallOut, ...]:
     candidates: list[CallOut] = []
     public = _public_function(name)
     if public is not None:
-        candidates.append(CallOut(public, None))
+        candidates.append(CallOut(public, out_names=None))
     try:
         out_op = to_out_variant(func)
     except RuntimeError:  # not a functional schema: no out= form to look for
         out_op = None
     if out_op is not None:
-        candidates.append(CallOut(_op_callable(out_op), tuple(get_out_arg_names(out_op))))
+        candidates.append(CallOut(_op_callable(out_op), out_names=tuple(get_out_arg_names(out_op))))
     return tuple(candidates)
 
 

@@ -28,11 +28,12 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import attrs
 import torch
 
 from graphs._ops import LITERALS, QuietDispatchMode, is_like_factory, op_name
 from graphs._tensor_refs import WeakStorage, storage_key, tensors_of
-from graphs.tape.checking import inplace_copies, mutated_arguments
+from graphs.tape.checking import inplace_copies, mutated_tensors
 from graphs.tape.legality import JUDGED_WHOLE, check_capturable
 from graphs.tape.planning import (
     PlanCache,
@@ -95,22 +96,16 @@ class StorageInfo:
         self.last = first
 
 
+@attrs.define(eq=False)
 class Record:
     """One recorded op: its plan, and its arguments and outputs with tensors as ``TensorRef``."""
 
-    __slots__ = ("args", "constant_key", "kwargs", "outs", "plan")
-
-    def __init__(
-        self,
-        plan: Plan,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        outs: list[TensorRef],
-        constant_key: int | None,
-    ) -> None:
-        self.plan, self.args, self.kwargs, self.outs = plan, args, kwargs, outs
-        self.constant_key = constant_key
-        """Storage key of a factory or literal output (a candidate constant), else ``None``."""
+    plan: Plan
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    outs: list[TensorRef]
+    constant_key: int | None
+    """Storage key of a factory or literal output (a candidate constant), else ``None``."""
 
 
 class Recorder(QuietDispatchMode):
@@ -146,12 +141,11 @@ class Recorder(QuietDispatchMode):
             before: dict[int, torch.Tensor] = {}
             mutated: list[torch.Tensor] = []
             if mutating and not inplace_view:
-                # a mutating op's plan-cache key, taken once, before the op runs
+                # a mutating op's plan-cache key, taken once, before the op runs (``None`` when
+                # its arguments are unhashable)
                 key = signature(func, args, kwargs)
-                before = inplace_copies(func, args, kwargs, key, self.plan_cache)
-                mutated = [
-                    t for t in mutated_arguments(func, args, kwargs) if isinstance(t, torch.Tensor)
-                ]
+                mutated = mutated_tensors(func, args, kwargs)
+                before = inplace_copies(func, mutated, key, self.plan_cache)
                 for t in mutated:
                     if storage_key(t) not in self.storages:
                         self.outside_writes.save(t)
@@ -171,7 +165,15 @@ class Recorder(QuietDispatchMode):
         if mutating:
             self.written.update(storage_key(t) for t in mutated)
         with torch._C._DisableTorchDispatch():  # no mode sees the checks (cheaper than popping)
-            plan = self._plan(func, name, args, kwargs, tensors, outs, fresh, before, mutating, key)
+            plan: Plan | None
+            if name in LITERALS:
+                plan = Const(outs[0].clone())
+            elif mutating:
+                plan = plan_mutating(func, args, kwargs, outs, fresh, before, key, self.plan_cache)
+            elif _is_factory(name, tensors) and len(outs) == 1:
+                plan = plan_factory(func, args, kwargs, outs[0])
+            else:
+                plan = plan_functional(func, args, kwargs, outs, fresh, self.plan_cache)
         if plan is not None:
             constant_key = None
             if name in LITERALS or (not mutating and _is_factory(name, tensors)):
@@ -188,28 +190,6 @@ class Recorder(QuietDispatchMode):
                 )
             )
         return result
-
-    def _plan(
-        self,
-        func: torch._ops.OpOverload,
-        name: str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        tensors: list[torch.Tensor],
-        outs: list[torch.Tensor],
-        fresh: tuple[int, ...],
-        before: dict[int, torch.Tensor],
-        mutating: bool,
-        key: tuple[Any, ...] | None,
-    ) -> Plan | None:
-        """``key``: a mutating op's signature (``None`` when its arguments are unhashable)."""
-        if name in LITERALS:
-            return Const(outs[0].clone())
-        if mutating:
-            return plan_mutating(func, args, kwargs, outs, fresh, before, key, self.plan_cache)
-        if _is_factory(name, tensors) and len(outs) == 1:
-            return plan_factory(func, args, kwargs, outs[0])
-        return plan_functional(func, args, kwargs, outs, fresh, self.plan_cache)
 
     def _allocated(self, t: torch.Tensor, index: int) -> None:
         key = storage_key(t)

@@ -39,6 +39,8 @@ Step = Callable[[], object]
 # -- plans ------------------------------------------------------------------------------------
 # A plan's ``build`` receives the op's arguments and outputs with every recorded tensor resolved
 # to the tensor replay must use, and returns the replay step (``None``: nothing to replay).
+Args = Sequence[Any]
+Outs = Sequence[torch.Tensor]
 
 
 def number_as_tensor(args: Sequence[Any], index: int, dtype: torch.dtype) -> list[Any]:
@@ -59,31 +61,22 @@ class Call:
     fn: Callable[..., Any]
     number_operand: int | None = None
 
-    def build(
-        self, args: Sequence[Any], kwargs: dict[str, Any], outs: Sequence[torch.Tensor]
-    ) -> Step:
+    def build(self, args: Args, kwargs: dict[str, Any], outs: Outs) -> Step:
         if self.number_operand is not None:
             args = number_as_tensor(args, self.number_operand, args[0].dtype)
         return functools.partial(self.fn, *args, **kwargs)
 
 
 @attrs.frozen
-class CallOut:
-    """Call an ``out=`` form: ``out_names`` ``None`` means the public ``out=`` keyword.
+class CallOut(Call):
+    """A ``Call`` of an ``out=`` form, writing the captured outputs: ``out_names`` ``None`` means
+    the public ``out=`` keyword. Its ``number_operand`` takes ``args[0]``'s dtype, which is the
+    output's (``planning`` passes a number as a tensor only where the two agree)."""
 
-    ``number_operand``: index of a number argument passed as a 0-dim tensor of the output's
-    dtype."""
+    out_names: tuple[str, ...] | None = attrs.field(kw_only=True)
 
-    fn: Callable[..., Any]
-    out_names: tuple[str, ...] | None
-    number_operand: int | None = None
-
-    def build(
-        self, args: Sequence[Any], kwargs: dict[str, Any], outs: Sequence[torch.Tensor]
-    ) -> Step:
-        if self.number_operand is not None:
-            args = number_as_tensor(args, self.number_operand, outs[0].dtype)
-        return functools.partial(self.fn, *args, **kwargs, **self._out_kwargs(outs))
+    def build(self, args: Args, kwargs: dict[str, Any], outs: Outs) -> Step:
+        return functools.partial(super().build(args, kwargs, outs), **self._out_kwargs(outs))
 
     def _out_kwargs(self, outs: Sequence[torch.Tensor]) -> dict[str, Any]:
         if self.out_names is None:
@@ -99,9 +92,7 @@ class SumThenDivide:
 
     count: int
 
-    def build(
-        self, args: Sequence[Any], kwargs: dict[str, Any], outs: Sequence[torch.Tensor]
-    ) -> Step:
+    def build(self, args: Args, kwargs: dict[str, Any], outs: Outs) -> Step:
         out = outs[0]
         summed = functools.partial(torch.sum, *args, **kwargs, out=out)
         divide = functools.partial(
@@ -122,9 +113,7 @@ class CallCopy:
     fn: Callable[..., Any]
     fresh: tuple[int, ...]
 
-    def build(
-        self, args: Sequence[Any], kwargs: dict[str, Any], outs: Sequence[torch.Tensor]
-    ) -> Step:
+    def build(self, args: Args, kwargs: dict[str, Any], outs: Outs) -> Step:
         fn, targets, fresh = self.fn, [outs[i] for i in self.fresh], self.fresh
 
         def step() -> None:
@@ -142,9 +131,7 @@ class CopyFrom:
 
     leaf: int
 
-    def build(
-        self, args: Sequence[Any], kwargs: dict[str, Any], outs: Sequence[torch.Tensor]
-    ) -> Step:
+    def build(self, args: Args, kwargs: dict[str, Any], outs: Outs) -> Step:
         source = tensors_of((args, kwargs))[self.leaf]
         target = outs[0] if outs[0].shape == source.shape else outs[0].view(source.shape)
         return functools.partial(torch.Tensor.copy_, target, source)
@@ -156,9 +143,7 @@ class Fill:
 
     value: bool | int | float | complex
 
-    def build(
-        self, args: Sequence[Any], kwargs: dict[str, Any], outs: Sequence[torch.Tensor]
-    ) -> Step:
+    def build(self, args: Args, kwargs: dict[str, Any], outs: Outs) -> Step:
         return functools.partial(torch.Tensor.fill_, outs[0], self.value)
 
 
@@ -168,9 +153,7 @@ class Const:
 
     saved: torch.Tensor
 
-    def build(
-        self, args: Sequence[Any], kwargs: dict[str, Any], outs: Sequence[torch.Tensor]
-    ) -> Step:
+    def build(self, args: Args, kwargs: dict[str, Any], outs: Outs) -> Step:
         return functools.partial(torch.Tensor.copy_, outs[0], self.saved)
 
 

@@ -81,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=non_negative_float,
         default=None,
         help="logit tolerance (default: per platform, from its device and the model's dtype: "
-        "1e-5 for float32 on the CPU, 1e-3 on a GPU, 1e-2 float16, 5e-2 bfloat16)",
+        "5e-5 for float32 on the CPU, 1e-3 on a GPU, 1e-2 float16, 5e-2 bfloat16)",
     )
     parser.add_argument(
         "--threads",

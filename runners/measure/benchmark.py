@@ -22,10 +22,11 @@ Method (every figure the README quotes is taken this way):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -46,10 +47,13 @@ __all__ = [
     "capture_cost",
     "captures_held_bytes",
     "decode_latency",
+    "decode_runners",
+    "decode_specs",
     "eager_step_peak_bytes",
     "engine_throughput",
     "synchronize",
     "timed",
+    "torch_threads",
 ]
 
 T = TypeVar("T")
@@ -119,6 +123,17 @@ def timed(work: Callable[[], T], device: torch.device) -> tuple[T, float]:
     return result, begin.elapsed_time(end) / 1e3
 
 
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """Run torch on ``count`` CPU threads inside the block, then restore the count it had."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def _prefill(runner: ModelRunner, batch: int, prompt_len: int) -> list[ScheduledChunk]:
     """Prefill ``batch`` requests of ``prompt_len`` tokens; return their next decode chunks."""
     per_row = -(-(prompt_len + 1) // runner.layout.block_size)
@@ -146,10 +161,8 @@ def decode_latency(
     """Median decode-step latency of each runner, interleaved (see the module docstring)."""
     results = []
     names = list(runners)
-    previous_threads = torch.get_num_threads()
-    try:
-        for count in threads:
-            torch.set_num_threads(count)
+    for count in threads:
+        with torch_threads(count):
             for batch in batch_sizes:
                 chunks = {name: _prefill(r, batch, prompt_len) for name, r in runners.items()}
                 ids = [[(5 * row + 1) % 256] for row in range(batch)]
@@ -170,9 +183,15 @@ def decode_latency(
                         median_us={n: statistics.median(s) * 1e6 for n, s in samples.items()},
                     )
                 )
-    finally:
-        torch.set_num_threads(previous_threads)
     return results
+
+
+def decode_specs(spec: EngineSpec) -> dict[str, EngineSpec]:
+    """``spec`` as each configuration of ``DECODE_CONFIGS``, by name."""
+    return {
+        name: attrs.evolve(spec, runner=runner, cudagraph_mode=mode, eager_region=region)
+        for name, (runner, mode, region) in DECODE_CONFIGS.items()
+    }
 
 
 def decode_runners(
@@ -183,24 +202,24 @@ def decode_runners(
     """One runner per configuration of ``DECODE_CONFIGS`` in ``names``, each over its own
     model copy."""
     return {
-        name: build_engine(
-            attrs.evolve(spec, runner=runner, cudagraph_mode=mode, eager_region=region),
-            model=model_factory(),
-        ).runner
-        for name, (runner, mode, region) in DECODE_CONFIGS.items()
+        name: build_engine(config, model=model_factory()).runner
+        for name, config in decode_specs(spec).items()
         if name in names
     }
 
 
-def capture_cost(runner: ModelRunner, held_bytes: Callable[[], int | None]) -> CaptureCost:
-    """Capture every size of ``runner`` (not yet captured), timing each graph."""
+def capture_cost(runner: ModelRunner) -> CaptureCost:
+    """Capture every size of ``runner`` (not yet captured), timing each graph; then the bytes
+    its captures hold (``captures_held_bytes``)."""
     timings: list[tuple[str, int, float]] = []
     _, seconds = timed(
-        lambda: runner.capture(lambda mode, size, s: timings.append((mode.name, size, s))),
+        lambda: runner.capture(lambda key, s: timings.append((key.mode.name, key.num_tokens, s))),
         runner.device,
     )
     return CaptureCost(
-        seconds_per_graph=tuple(timings), total_seconds=seconds, held_bytes=held_bytes()
+        seconds_per_graph=tuple(timings),
+        total_seconds=seconds,
+        held_bytes=captures_held_bytes(runner),
     )
 
 
@@ -229,15 +248,12 @@ class _PeakLiveBytes(QuietDispatchMode):
 def eager_step_peak_bytes(runner: ModelRunner, num_tokens: int) -> int:
     """Peak live bytes allocated by one eager step of ``num_tokens`` prompt tokens on ``runner``
     (whose graph mode should be ``NONE``), rows of at most one block table's reach each."""
-    per_row = min(num_tokens, runner.layout.block_size * runner.layout.max_blocks_per_row - 1)
+    row_blocks = runner.layout.max_blocks_per_row
+    per_row = min(num_tokens, runner.layout.block_size * row_blocks - 1)
     chunks, ids = [], []
     for row, start in enumerate(range(0, num_tokens, per_row)):
         count = min(per_row, num_tokens - start)
-        blocks = tuple(
-            range(
-                row * runner.layout.max_blocks_per_row, (row + 1) * runner.layout.max_blocks_per_row
-            )
-        )
+        blocks = tuple(range(row * row_blocks, (row + 1) * row_blocks))
         chunks.append(ScheduledChunk(row=row, block_ids=blocks, start_position=0, num_tokens=count))
         ids.append([(3 * i + row) % runner.vocab_size for i in range(count)])
     tracker = _PeakLiveBytes()

@@ -56,9 +56,11 @@ def equality_tolerance(device_type: str, dtype: torch.dtype) -> float:
     run on ``device_type`` (a torch device type; ROCm builds of torch report ``cuda``).
 
     The rule:
-    - float32 (and float64) on ``cpu``: 1e-5. The CPU runs graphs with the op tape, which
+    - float32 (and float64) on ``cpu``: 5e-5. The CPU runs graphs with the op tape, which
       replays the very kernels eager calls; what is left is reduction order changed by padding
-      a batch to a captured size (measured on the built-in model: at most 3.0e-6).
+      a batch to a captured size and the context to its bucket (an eager step attends over its
+      exact context, a graph over its bucket's, the extra keys masked): measured on the built-in
+      model, at most 3.0e-6 from batch padding alone, 1.43e-5 with context buckets.
     - float32 (and float64) on any other device: 1e-3. A padded graph and an unpadded eager step
       have different shapes, and cuBLAS/hipBLAS and the attention kernels are chosen by shape
       (split-K, other tilings, TF32 where it is allowed), so sums are reordered and their
@@ -75,7 +77,7 @@ def equality_tolerance(device_type: str, dtype: torch.dtype) -> float:
         return _HALF_PRECISION_TOLERANCE[dtype]
     if dtype not in _FULL_PRECISION:
         raise ValueError(f"no equality tolerance is defined for logits of a {dtype} model")
-    return 1e-5 if device_type == "cpu" else 1e-3
+    return 5e-5 if device_type == "cpu" else 1e-3
 
 
 class Status(enum.Enum):
@@ -174,15 +176,11 @@ def run_configuration(
     model: DeepseekV4ForCausalLM,
     prompts: Sequence[Sequence[int]],
     params: SamplingParams,
-    *,
-    max_num_batched_tokens: int | None = None,
 ) -> Trace | Comparison:
     """The trace of ``spec``, or the verdict that stopped it: refused, audit-error, or error
     (any other exception, as ``Type: message``, so one broken cell does not end a matrix)."""
     try:
-        return run_trace(
-            spec, model, prompts, params, max_num_batched_tokens=max_num_batched_tokens
-        )
+        return run_trace(spec, model, prompts, params)
     except ResolutionError as exc:
         return Comparison(status=Status.REFUSED, detail=str(exc))
     except CaptureAuditError as exc:
@@ -220,18 +218,12 @@ def compare_to_eager(
     *,
     eager: Trace | None = None,
     atol: float | None = None,
-    max_num_batched_tokens: int | None = None,
 ) -> Comparison:
     """Run ``spec`` and ``judge`` it against ``eager`` (computed here when not given)."""
     if eager is None:
-        eager = run_trace(
-            attrs.evolve(spec, cudagraph_mode="NONE", eager_region="auto", unsafe_region=False),
-            model,
-            prompts,
-            params,
-            max_num_batched_tokens=max_num_batched_tokens,
+        eager_spec = attrs.evolve(
+            spec, cudagraph_mode="NONE", eager_region="auto", unsafe_region=False
         )
-    outcome = run_configuration(
-        spec, model, prompts, params, max_num_batched_tokens=max_num_batched_tokens
-    )
+        eager = run_trace(eager_spec, model, prompts, params)
+    outcome = run_configuration(spec, model, prompts, params)
     return outcome if isinstance(outcome, Comparison) else judge(outcome, eager, atol=atol)

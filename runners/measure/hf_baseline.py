@@ -7,7 +7,6 @@ baseline is asked for, and its absence is a one-line error saying how to install
 from __future__ import annotations
 
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import attrs
 import torch
 
 from dsv4 import DeepseekV4Config, save_random_checkpoint
-from runners.measure.benchmark import GenerationThroughput
+from runners.measure.benchmark import GenerationThroughput, timed
 
 __all__ = ["Baseline", "BaselineUnavailableError", "transformers_baseline"]
 
@@ -94,11 +93,8 @@ def transformers_baseline(
         return outputs
 
     def round_() -> GenerationThroughput:
-        start = time.perf_counter()
-        result = generate_all()
-        return GenerationThroughput(
-            tokens=sum(len(t) for t in result), seconds=time.perf_counter() - start
-        )
+        result, seconds = timed(generate_all, model.device)
+        return GenerationThroughput(tokens=sum(len(t) for t in result), seconds=seconds)
 
     return Baseline(
         round=round_,

@@ -10,16 +10,26 @@ transformers', when asked). Every interval waits for the device to finish the wo
 
 from __future__ import annotations
 
-import functools
 import statistics
 from collections.abc import Callable
 from typing import Any
 
 import attrs
+import torch
 
 from dsv4.dtypes import dtype_name
-from runners.measure.benchmark import GenerationThroughput
-from runners.spec import EngineSpec, compute_dtype_of
+from runners.errors import ResolutionError
+from runners.measure.benchmark import (
+    GenerationThroughput,
+    capture_cost,
+    decode_latency,
+    decode_runners,
+    decode_specs,
+    eager_step_peak_bytes,
+    engine_throughput,
+)
+from runners.measure.hf_baseline import transformers_baseline
+from runners.spec import EngineSpec, build_engine, build_model, compute_dtype_of, resolve_spec
 
 __all__ = ["BenchOptions", "run_benchmark"]
 
@@ -60,15 +70,10 @@ def run_benchmark(
 
 def _capture(base: EngineSpec) -> dict[str, Any]:
     """The platform measured, and the capture cost of every default size against an eager step."""
-    import torch
-
-    from runners.measure.benchmark import capture_cost, captures_held_bytes, eager_step_peak_bytes
-    from runners.spec import build_engine
-
     torch.set_num_threads(1)
     engine = build_engine(base)
     runner = engine.runner
-    cost = capture_cost(runner, functools.partial(captures_held_bytes, runner))
+    cost = capture_cost(runner)
     eager_runner = build_engine(attrs.evolve(base, cudagraph_mode="NONE")).runner
     peak = eager_step_peak_bytes(eager_runner, max(runner.capture_sizes.sizes))
     platform = engine.resolution.platform
@@ -88,7 +93,6 @@ def _capture(base: EngineSpec) -> dict[str, Any]:
     }
 
 
-_COLUMNS = ("eager", "full", "narrow", "wide")
 _RATIOS = (("full", "eager"), ("narrow", "eager"), ("wide", "eager"), ("narrow", "wide"))
 
 
@@ -96,16 +100,10 @@ def _configurations(spec: EngineSpec) -> dict[str, dict[str, Any]]:
     """What each timed configuration resolved to on the platform measured, with the reasons of
     any downgrade (a column named ``full`` may run PIECEWISE decode graphs where the platform
     or runner forbids FULL ones)."""
-    from runners.errors import ResolutionError
-    from runners.measure.benchmark import DECODE_CONFIGS
-    from runners.spec import resolve_spec
-
     configurations: dict[str, dict[str, Any]] = {}
-    for name, (runner, mode, region) in DECODE_CONFIGS.items():
+    for name, config in decode_specs(spec).items():
         try:
-            resolution = resolve_spec(
-                attrs.evolve(spec, runner=runner, cudagraph_mode=mode, eager_region=region)
-            )
+            resolution = resolve_spec(config)
         except ResolutionError as exc:
             configurations[name] = {"refused": str(exc)}
             continue
@@ -122,9 +120,6 @@ def _configurations(spec: EngineSpec) -> dict[str, dict[str, Any]]:
 def _decode(spec: EngineSpec, options: BenchOptions, names: list[str]) -> list[dict[str, Any]]:
     """Median decode-step latency per configuration in ``names`` (those the platform does not
     refuse), thread count and batch size; a ratio with a refused side is ``None``."""
-    from runners.measure.benchmark import decode_latency, decode_runners
-    from runners.spec import build_model
-
     runners = decode_runners(spec, lambda: build_model(spec), names)
     latencies = decode_latency(
         runners, batch_sizes=options.batch_sizes, threads=options.threads, repeats=options.repeats
@@ -145,36 +140,27 @@ def _decode(spec: EngineSpec, options: BenchOptions, names: list[str]) -> list[d
 
 def _generation(base: EngineSpec, spec: EngineSpec, options: BenchOptions) -> dict[str, Any]:
     """Generation tokens per second (median of rounds), and transformers' when asked."""
-    import torch
-
-    from runners.measure.benchmark import engine_throughput
-    from runners.spec import build_model
-
     torch.set_num_threads(1)
     prompts = [
         [(11 * p + 3 * i) % 256 for i in range(8 + 4 * p)] for p in range(options.generate_prompts)
     ]
     ours, our_tokens = engine_throughput(base, build_model(spec), prompts, options.max_new_tokens)
-    rounds: dict[str, list[float]] = {"engine": []}
-    theirs: Callable[[], GenerationThroughput] | None = None
+    contenders: dict[str, Callable[[], GenerationThroughput]] = {"engine": ours}
     if options.vs_transformers:
-        from runners.measure.hf_baseline import transformers_baseline
-
         baseline = transformers_baseline(
             base.checkpoint, prompts, options.max_new_tokens, dtype=compute_dtype_of(base)
         )
-        theirs = baseline.round
-        rounds["transformers"] = []
-    for _ in range(options.rounds):
-        rounds["engine"].append(ours().tokens_per_s)
-        if theirs is not None:
-            rounds["transformers"].append(theirs().tokens_per_s)
+        contenders["transformers"] = baseline.round
+    rounds: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(options.rounds):  # alternating: each round times every contender once
+        for name, contender in contenders.items():
+            rounds[name].append(contender().tokens_per_s)
     generation: dict[str, Any] = {
         "prompts": len(prompts),
         "max_new_tokens": options.max_new_tokens,
         "tokens_per_s": {k: round(statistics.median(v), 2) for k, v in rounds.items()},
     }
-    if theirs is not None:
+    if options.vs_transformers:
         tps = generation["tokens_per_s"]
         generation["ratio_engine/transformers"] = round(tps["engine"] / tps["transformers"], 3)
         generation["same_tokens_as_generate"] = our_tokens == baseline.generate_tokens

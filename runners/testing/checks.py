@@ -16,11 +16,9 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import attrs
-import torch
 
 from dsv4 import DeepseekV4Config, DeepseekV4ForCausalLM
 from dsv4.testing import random_model
@@ -38,7 +36,6 @@ __all__ = [
     "check_configuration",
     "expect",
     "first_difference",
-    "one_thread",
     "platform_label",
     "resolved",
 ]
@@ -208,15 +205,3 @@ def first_difference(
 
 def _token(output: Sequence[int], at: int) -> str:
     return str(output[at]) if at < len(output) else "end of output"
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """Run torch on one CPU thread inside, restoring the count after: tiny models run fastest
-    so, and the kit takes the same time on any number of cores."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)

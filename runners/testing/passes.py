@@ -10,7 +10,8 @@
 Invariants: both compare with an eager run of the same model and prompts on the same platform;
 every failure is an ``AssertionError`` naming the platform, the configuration, the prompt and the
 first differing token or the exception (chained, so its traceback is shown); torch runs on one
-thread inside, and the count is restored afterwards.
+thread inside, and the count is restored afterwards (tiny models run fastest so, and the kit takes
+the same time on any number of cores).
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ from hypothesis import strategies as st
 
 from dsv4 import DeepseekV4Config
 from platforms.base import Platform
+from runners.measure.benchmark import torch_threads
 from runners.testing.checks import (
     Configuration,
     Workload,
     check_configuration,
-    one_thread,
     platform_label,
 )
 from runners.testing.settings import kit_settings
@@ -43,7 +44,7 @@ def deterministic_pass(
     max_new_tokens: int,
 ) -> None:
     """Every configuration on the fixed model and prompts; raise listing each that differs."""
-    with one_thread():
+    with torch_threads(1):
         workload = Workload.build(
             platform, fixed_config(), FIXED_PROMPTS, seed=0, max_new_tokens=max_new_tokens
         )
@@ -81,7 +82,7 @@ def random_search(
     def search(
         config: DeepseekV4Config, prompts: list[list[int]], seed: int, configuration: Configuration
     ) -> None:
-        with one_thread():
+        with torch_threads(1):
             workload = Workload.build(
                 platform, config, prompts, seed=seed, max_new_tokens=max_new_tokens
             )

@@ -87,8 +87,8 @@ def test_human_output_names_each_reference_and_an_explicit_atol_overrides(
 @pytest.mark.parametrize(
     ("device_type", "dtype", "tolerance"),
     [
-        ("cpu", torch.float32, 1e-5),
-        ("cpu", torch.float64, 1e-5),
+        ("cpu", torch.float32, 5e-5),
+        ("cpu", torch.float64, 5e-5),
         ("cuda", torch.float32, 1e-3),
         ("cuda", torch.float64, 1e-3),
         ("xpu", torch.float32, 1e-3),

@@ -93,20 +93,22 @@ def test_eager_arguments_are_held_member_by_member() -> None:
 
     import attrs
 
-    from graphs.cuda_backend import _map_members
+    from graphs._tensor_refs import map_tensors
 
     @attrs.frozen(kw_only=True)
     class Prepared:
-        q: int
+        q: torch.Tensor
         scale: float = attrs.field(default=1.0)
 
     Pair = collections.namedtuple("Pair", "a b")
-    value = (1, [2, {"k": 3}], Pair(4, 5), Prepared(q=6))
+    t = [torch.tensor(i) for i in range(7)]
+    value = (t[1], [t[2], {"k": t[3]}], Pair(t[4], 5), Prepared(q=t[6]), "s")
 
-    def double(v: object) -> object:
-        return v * 2 if isinstance(v, int) else _map_members(v, double)
-
-    assert _map_members(value, double) == (2, [4, {"k": 6}], Pair(8, 10), Prepared(q=12))
+    held = map_tensors(value, lambda x: x * 2)
+    assert held[0] == 2 and held[1][0] == 4 and held[1][1]["k"] == 6
+    assert isinstance(held[2], Pair) and held[2].a == 8 and held[2].b == 5
+    assert isinstance(held[3], Prepared) and held[3].q == 12 and held[3].scale == 1.0
+    assert held[4] == "s"
 
 
 @pytest.mark.cuda
