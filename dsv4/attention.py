@@ -59,7 +59,7 @@ class _Entries:
     """The compressed entries every query may attend (one row per token)."""
 
     slots: torch.Tensor
-    """``[T, capacity]`` cache slots of every entry of the token's request."""
+    """``[T, capacity]`` entry slots of every entry of the token's request."""
     visible: torch.Tensor
     """``[T, capacity]`` which of them are complete for the token."""
     index_queries: torch.Tensor | None
@@ -199,12 +199,15 @@ class DeepseekV4Attention(nn.Module):
         if compressor is None or cache.compressor is None:
             return prepared
         rate = compressor.rate
+        entry_blocks = request_blocks(metadata, entries=True)
         plan = PoolingPlan.build(
             positions,
             rate,
             window.last(span),
-            write,
-            cache.kv.shape[0] - 1,
+            metadata.slot_mapping >= 0,
+            entry_blocks,
+            block_size,
+            cache.compressor.entries.shape[0] - 1,
             overlap=compressor.overlap,
         )
         entry_tables = self.rope.tables(plan.entry_positions.unsqueeze(-1), hidden_states.dtype)
@@ -222,7 +225,9 @@ class DeepseekV4Attention(nn.Module):
             return prepared
         ends = entry_ends(capacity, rate, positions.device)
         entries = _Entries(
-            slots=token_slots(blocks, ends, block_size),
+            slots=token_slots(
+                entry_blocks, torch.arange(capacity, device=positions.device), block_size
+            ),
             visible=ends <= query_positions,
             index_queries=index_queries,
             index_weights=index_weights,

@@ -9,11 +9,17 @@ Layout (``S = num_blocks * block_size`` slots, plus one write-sink row, see ``ds
   ``kv``/``gate`` ``[S+1, width]`` hold each token's compressor projections (``gate`` already
   includes the fp32 position bias of the token's slot in its window, so it is kept in fp32
   whatever the cache dtype, as the reference computes it) — the state of windows not yet
-  complete, and of the previous window for the CSA overlap. ``entries`` ``[S+1, dim]`` holds
-  pooled entries: entry ``w`` of a request lives at the slot of position ``(w+1)*m - 1``, the
-  token that completed it (so the request's own blocks always cover it).
+  complete, and of the previous window for the CSA overlap. ``entries`` ``[E+1, dim]`` holds
+  pooled entries in a pool of its own (``E = num_entry_blocks * block_size`` entry slots): entry
+  ``w`` of a request lives at entry slot ``w`` of the request's entry blocks
+  (``AttentionMetadata.entry_table``), whatever the layer's rate.
 
-A request with ``n`` tokens needs ``ceil(n / block_size)`` blocks; blocks are ``0..num_blocks-1``.
+Two pools, because what may be read again differs: a token's window and compressor state is
+read only while its position is within the lookback of a later query (``lookback``: the widest
+sliding window or pooling span), so the blocks holding positions that left it can be freed while
+the request runs; a compressed entry may be selected by every later query, so it is kept as long
+as the request lives. A request with ``n`` tokens addresses ``ceil(n / block_size)`` blocks and
+``ceil(ceil(n / entry_rate) / block_size)`` entry blocks (``entry_rate``: the finest rate).
 Caches start zeroed; stale contents of reused blocks are never visible because visibility is
 computed from positions alone.
 """
@@ -26,11 +32,14 @@ import torch
 from dsv4.config import CSA, SLIDING, DeepseekV4Config
 
 __all__ = [
+    "CacheBytes",
     "CompressorCache",
     "LayerCache",
     "PagedKVCaches",
     "allocate_kv_caches",
-    "bytes_per_token",
+    "cache_bytes",
+    "entry_rate",
+    "lookback",
 ]
 
 
@@ -65,6 +74,7 @@ class PagedKVCaches:
 
     num_blocks: int
     block_size: int
+    num_entry_blocks: int
     layers: tuple[LayerCache, ...]
 
     @property
@@ -77,14 +87,36 @@ class PagedKVCaches:
 
 
 def _compressor_cache(
-    rows: int, dim: int, overlap: bool, device: torch.device | str, dtype: torch.dtype
+    rows: int,
+    entry_rows: int,
+    dim: int,
+    overlap: bool,
+    device: torch.device | str,
+    dtype: torch.dtype,
 ) -> CompressorCache:
     width = 2 * dim if overlap else dim
     return CompressorCache(
         kv=torch.zeros(rows, width, device=device, dtype=dtype),
         gate=torch.zeros(rows, width, device=device, dtype=torch.float32),
-        entries=torch.zeros(rows, dim, device=device, dtype=dtype),
+        entries=torch.zeros(entry_rows, dim, device=device, dtype=dtype),
     )
+
+
+def entry_rate(config: DeepseekV4Config) -> int:
+    """The finest compression rate of ``config``'s layers (entry slots per token are counted at
+    it); 1 for a model without compressed layers."""
+    rates = [config.compress_rate(t) for t in config.layer_types if t != SLIDING]
+    return min(rates, default=1)
+
+
+def lookback(config: DeepseekV4Config) -> int:
+    """How many positions ending at a query its layers read from the window pool: the sliding
+    window, or a compressor's pooling span (``2m`` when overlapping) if wider. Positions more
+    than ``lookback - 1`` before every later query are never read again."""
+    spans = [
+        config.compress_rate(t) * (2 if t == CSA else 1) for t in config.layer_types if t != SLIDING
+    ]
+    return max([config.sliding_window, *spans])
 
 
 def allocate_kv_caches(
@@ -92,13 +124,21 @@ def allocate_kv_caches(
     *,
     num_blocks: int,
     block_size: int,
+    num_entry_blocks: int | None = None,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> PagedKVCaches:
-    """Zeroed caches for ``num_blocks`` blocks of ``block_size`` tokens, every layer."""
-    if num_blocks < 1 or block_size < 1:
-        raise ValueError(f"need at least one block of one token, got {num_blocks} x {block_size}")
+    """Zeroed caches for ``num_blocks`` blocks of ``block_size`` tokens and ``num_entry_blocks``
+    blocks of ``block_size`` entries (``None``: as many as token blocks, never too few), every
+    layer."""
+    entry_blocks = num_blocks if num_entry_blocks is None else num_entry_blocks
+    if min(num_blocks, block_size, entry_blocks) < 1:
+        raise ValueError(
+            f"need at least one block of one token, got {num_blocks} x {block_size} "
+            f"({entry_blocks} entry blocks)"
+        )
     rows = num_blocks * block_size + 1
+    entry_rows = entry_blocks * block_size + 1
     layers = []
     for layer_type in config.layer_types:
         compressed = layer_type != SLIDING
@@ -107,27 +147,42 @@ def allocate_kv_caches(
             LayerCache(
                 kv=torch.zeros(rows, config.head_dim, device=device, dtype=dtype),
                 compressor=(
-                    _compressor_cache(rows, config.head_dim, csa, device, dtype)
+                    _compressor_cache(rows, entry_rows, config.head_dim, csa, device, dtype)
                     if compressed
                     else None
                 ),
                 indexer=(
-                    _compressor_cache(rows, config.index_head_dim, True, device, dtype)
+                    _compressor_cache(rows, entry_rows, config.index_head_dim, True, device, dtype)
                     if csa
                     else None
                 ),
             )
         )
-    return PagedKVCaches(num_blocks=num_blocks, block_size=block_size, layers=tuple(layers))
+    return PagedKVCaches(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_entry_blocks=entry_blocks,
+        layers=tuple(layers),
+    )
 
 
-def bytes_per_token(config: DeepseekV4Config, dtype: torch.dtype) -> dict[str, int]:
-    """Cache bytes one token occupies in one layer of each layer type, for caches in ``dtype``
-    (sliding window, compressor state and entries, indexer state and entries; the fp32 gates
+@attrs.frozen
+class CacheBytes:
+    """Cache bytes of one layer: per token slot (window pool) and per entry slot (entries)."""
+
+    per_token: int
+    per_entry: int
+
+
+def cache_bytes(config: DeepseekV4Config, dtype: torch.dtype) -> dict[str, CacheBytes]:
+    """``CacheBytes`` of one layer of each layer type, for caches in ``dtype`` (the fp32 gates
     included): measured on caches of one slot allocated on the meta device, so it always
     matches ``allocate_kv_caches``."""
     caches = allocate_kv_caches(config, num_blocks=1, block_size=1, device="meta", dtype=dtype)
-    return {
-        layer_type: sum(t[0].numel() * t.element_size() for t in layer.tensors())
-        for layer_type, layer in zip(config.layer_types, caches.layers, strict=True)
-    }
+    sizes = {}
+    for layer_type, layer in zip(config.layer_types, caches.layers, strict=True):
+        entries = [c.entries for c in (layer.compressor, layer.indexer) if c is not None]
+        per_entry = sum(t[0].numel() * t.element_size() for t in entries)
+        everything = sum(t[0].numel() * t.element_size() for t in layer.tensors())
+        sizes[layer_type] = CacheBytes(per_token=everything - per_entry, per_entry=per_entry)
+    return sizes

@@ -10,6 +10,10 @@ Invariants:
   ``slot_mapping[t] == -1``: they write nothing, and their outputs are never read.
 - ``slot_mapping[t] == block_table[row, pos // block_size] * block_size + pos % block_size`` for
   every real token t at position ``pos`` of its request.
+- ``entry_table`` addresses the entry pool (``dsv4.cache``) as ``block_table`` does the window
+  pool: entry ``w`` of a request is entry slot ``entry_table[row, w // block_size] * block_size
+  + w % block_size``. Its width is ``ceil(width / entry_rate)``: it covers every entry of the
+  positions ``block_table`` covers, at the finest rate.
 - ``block_table`` is ``[max_rows, width]``: the first ``width`` columns of the table, where
   ``width`` (the step's context width, in blocks) covers every position of the step. Attention
   reads compressed entries up to ``width * block_size`` positions, so a step's cost follows its
@@ -38,7 +42,14 @@ import attrs
 import torch
 from typing_extensions import Protocol
 
-__all__ = ["AttentionMetadata", "ChunkLike", "MetadataBuffers", "new_metadata", "stage_into"]
+__all__ = [
+    "AttentionMetadata",
+    "ChunkLike",
+    "MetadataBuffers",
+    "entry_width",
+    "new_metadata",
+    "stage_into",
+]
 
 
 class ChunkLike(Protocol):
@@ -60,6 +71,11 @@ class ChunkLike(Protocol):
     def num_tokens(self) -> int:
         """Tokens the chunk feeds (at least one)."""
 
+    @property
+    def entry_block_ids(self) -> tuple[int, ...]:
+        """Entry blocks owned by the request, in order; they cover every entry a token of the
+        chunk completes (at the finest rate)."""
+
 
 @attrs.frozen(kw_only=True)
 class AttentionMetadata:
@@ -73,6 +89,8 @@ class AttentionMetadata:
     """``[max_rows, width]`` int64: the first ``width`` cache blocks of each row."""
     block_size: int
     """Tokens per cache block (a host constant of the cache, never of the step)."""
+    entry_table: torch.Tensor
+    """``[max_rows, ceil(width / entry_rate)]`` int64: the first entry blocks of each row."""
 
     @property
     def num_tokens(self) -> int:
@@ -109,13 +127,20 @@ def _check_row(chunk: ChunkLike, max_rows: int) -> None:
         raise ValueError(f"row {chunk.row} outside the block table's {max_rows} rows")
 
 
-def _host_table(chunks: Sequence[ChunkLike], max_rows: int, max_blocks: int) -> torch.Tensor:
+def _host_table(
+    chunks: Sequence[ChunkLike], max_rows: int, max_blocks: int, *, entries: bool
+) -> torch.Tensor:
     table = torch.zeros(max_rows, max_blocks, dtype=torch.int64)
     for chunk in chunks:
         _check_row(chunk, max_rows)
-        ids = chunk.block_ids[:max_blocks]
+        ids = (chunk.entry_block_ids if entries else chunk.block_ids)[:max_blocks]
         table[chunk.row, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
     return table
+
+
+def entry_width(width: int, entry_rate: int) -> int:
+    """Entry blocks covering the entries of ``width`` blocks of positions at ``entry_rate``."""
+    return -(-width // entry_rate)
 
 
 def new_metadata(
@@ -125,15 +150,19 @@ def new_metadata(
     block_size: int,
     max_rows: int,
     max_blocks: int,
+    entry_rate: int,
     device: torch.device | str = "cpu",
 ) -> tuple[AttentionMetadata, torch.Tensor]:
-    """Build metadata as fresh tensors; also return the ``[T]`` positions."""
+    """Build metadata as fresh tensors, ``max_blocks`` wide; also return the ``[T]``
+    positions."""
     rows, slots, positions = _host_rows(chunks, num_tokens, block_size, max_blocks)
+    entry_blocks = entry_width(max_blocks, entry_rate)
     metadata = AttentionMetadata(
         token_request=torch.tensor(rows, dtype=torch.int64, device=device),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_table=_host_table(chunks, max_rows, max_blocks).to(device),
+        block_table=_host_table(chunks, max_rows, max_blocks, entries=False).to(device),
         block_size=block_size,
+        entry_table=_host_table(chunks, max_rows, entry_blocks, entries=True).to(device),
     )
     return metadata, torch.tensor(positions, dtype=torch.int64, device=device)
 
@@ -157,20 +186,25 @@ class MetadataBuffers:
         block_size: int,
         max_rows: int,
         max_blocks: int,
+        entry_rate: int,
         device: torch.device | str = "cpu",
     ) -> None:
         self.block_size = block_size
         self.max_rows = max_rows
         self.max_blocks = max_blocks
+        self.entry_rate = entry_rate
+        entry_blocks = entry_width(max_blocks, entry_rate)
         self.token_request = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
         self.block_table = torch.zeros(max_rows, max_blocks, dtype=torch.int64, device=device)
-        self._table_rows: dict[int, tuple[int, ...]] = {}
-        """The blocks last written to each row of ``block_table`` (truncated to its width)."""
+        self.entry_table = torch.zeros(max_rows, entry_blocks, dtype=torch.int64, device=device)
+        self._table_rows: dict[tuple[int, bool], tuple[int, ...]] = {}
+        """The blocks last written to each (row, entries?) of the two tables (truncated to its
+        width)."""
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """Every persistent buffer (to register as static memory for capture audits)."""
-        return (self.token_request, self.slot_mapping, self.block_table)
+        return (self.token_request, self.slot_mapping, self.block_table, self.entry_table)
 
     def write(
         self,
@@ -189,7 +223,9 @@ class MetadataBuffers:
             _host_rows(chunks, num_tokens, self.block_size, width), dtype=torch.int64
         )
         for chunk in chunks:
-            self._write_table_row(chunk)
+            _check_row(chunk, self.max_rows)
+            self._write_table_row(self.block_table, chunk.row, chunk.block_ids, entries=False)
+            self._write_table_row(self.entry_table, chunk.row, chunk.entry_block_ids, entries=True)
         stage_into(self.token_request[:num_tokens], per_token[0])
         stage_into(self.slot_mapping[:num_tokens], per_token[1])
         stage_into(positions_out[:num_tokens], per_token[2])
@@ -198,14 +234,15 @@ class MetadataBuffers:
             slot_mapping=self.slot_mapping[:num_tokens],
             block_table=self.block_table[:, :width],
             block_size=self.block_size,
+            entry_table=self.entry_table[:, : entry_width(width, self.entry_rate)],
         )
 
-    def _write_table_row(self, chunk: ChunkLike) -> None:
-        _check_row(chunk, self.max_rows)
-        ids = chunk.block_ids[: self.max_blocks]
-        if self._table_rows.get(chunk.row) == ids:
+    def _write_table_row(
+        self, table: torch.Tensor, row: int, block_ids: tuple[int, ...], *, entries: bool
+    ) -> None:
+        ids = block_ids[: table.shape[1]]
+        if self._table_rows.get((row, entries)) == ids:
             return
-        row = self.block_table[chunk.row]
-        stage_into(row[: len(ids)], torch.tensor(ids, dtype=torch.int64))
-        row[len(ids) :].zero_()
-        self._table_rows[chunk.row] = ids
+        stage_into(table[row, : len(ids)], torch.tensor(ids, dtype=torch.int64))
+        table[row, len(ids) :].zero_()
+        self._table_rows[row, entries] = ids

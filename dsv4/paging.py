@@ -8,9 +8,10 @@ slots to rows once (``sink_rows``) and every write is a single ``index_copy_``; 
 cache rows is a single ``index_select`` (``dsv4.layers.read_rows``).
 
 A layer resolves its tokens' block-table rows once per step (``request_blocks``); every lookup
-is then one gather plus the offset in the block (``token_slots``). Every position looked up is
-below ``max_blocks_per_row * block_size``: a query reads positions up to its own, and entries up
-to its request's capacity; metadata refuses a position its row's blocks do not cover.
+is then one gather plus the offset in the block (``token_slots``); entries are looked up the
+same way in the entry pool, by entry index. Every position looked up is below the table's
+``width * block_size``: a query reads positions up to its own, and entries up to its request's
+capacity; metadata refuses a position its row's blocks do not cover.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ from dsv4.metadata import AttentionMetadata
 __all__ = ["Window", "request_blocks", "sink_rows", "token_slots", "write_rows"]
 
 
-def request_blocks(metadata: AttentionMetadata) -> torch.Tensor:
-    """``[T, max_blocks_per_row]`` first cache slot of each block of every token's request."""
-    return read_rows(metadata.block_table, metadata.token_request) * metadata.block_size
+def request_blocks(metadata: AttentionMetadata, *, entries: bool = False) -> torch.Tensor:
+    """``[T, width]`` first cache slot of each block of every token's request (of each entry
+    block, in the entry pool, with ``entries``)."""
+    table = metadata.entry_table if entries else metadata.block_table
+    return read_rows(table, metadata.token_request) * metadata.block_size
 
 
 def token_slots(blocks: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:

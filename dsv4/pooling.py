@@ -15,9 +15,10 @@ Per-token formulation (what makes this capturable): every token of the step firs
 projections into the paged state (``CompressorCache.kv``/``gate``), then every token gathers
 the ``m`` (or ``2m``) positions ending at itself through the block table and pools them. Only
 a token that completes a window (``(t+1) % m == 0``) writes its pooled entry, into its own
-cache slot (so entry ``w`` lives at the slot of position ``(w+1)*m - 1``); every other token,
-and every padded one, writes to the sink. Shapes depend only on the token count and host
-constants, and there is no host sync: partial windows persist across steps in the paged state.
+entry slot (entry ``w`` lives at entry slot ``w`` of the request's entry blocks, in the entry
+pool); every other token, and every padded one, writes to the entry pool's sink. Shapes depend
+only on the token count and host constants, and there is no host sync: partial windows persist
+across steps in the paged state.
 
 Op economy: where each token reads its window and writes its entry depends only on the rate,
 so ``PoolingPlan`` computes it once per step and rate (a CSA layer's compressor and indexer
@@ -35,20 +36,21 @@ from torch import nn
 from dsv4.cache import CompressorCache
 from dsv4.layers import RMSNorm, as_dtype, read_rows
 from dsv4.metadata import AttentionMetadata
-from dsv4.paging import Window, write_rows
+from dsv4.paging import Window, token_slots, write_rows
 from dsv4.rope import RotaryEmbedding, RotaryTables
 
 __all__ = ["PoolingPlan", "WindowPooler", "entry_capacity", "entry_ends"]
 
 
 def entry_capacity(metadata: AttentionMetadata, rate: int) -> int:
-    """Most entries one request can have: its maximum context divided by the rate (static)."""
+    """Most entries one request can have within the step's width: the positions the block
+    table covers divided by the rate (static)."""
     return int(metadata.block_table.shape[1]) * metadata.block_size // rate
 
 
 def entry_ends(capacity: int, rate: int, device: torch.device) -> torch.Tensor:
-    """``[capacity]`` last position of each entry's window: where the entry is stored, and the
-    first query position that sees it."""
+    """``[capacity]`` last position of each entry's window: the first query position that
+    sees it."""
     return torch.arange(rate - 1, capacity * rate, rate, device=device)
 
 
@@ -64,7 +66,7 @@ class PoolingPlan:
     """``[T, span, 1]`` window positions before the request's start (overlapping windows only;
     they weigh nothing)."""
     entry_rows: torch.Tensor
-    """``[T]`` cache row of the entry each token completes (its own); the sink if none."""
+    """``[T]`` entry-pool row of the entry each token completes; the entry sink if none."""
     entry_positions: torch.Tensor
     """``[T]`` first position of each token's window (where its entry's RoPE turns)."""
 
@@ -74,19 +76,25 @@ class PoolingPlan:
         positions: torch.Tensor,
         rate: int,
         window: Window,
-        write: torch.Tensor,
-        sink: int,
+        real: torch.Tensor,
+        entry_blocks: torch.Tensor,
+        block_size: int,
+        entry_sink: int,
         *,
         overlap: bool,
     ) -> PoolingPlan:
         """The plan for ``rate`` over ``window`` (``span`` positions ending at each token);
-        ``write`` are the tokens' own cache rows (the ``sink`` row for padding)."""
+        ``real`` ``[T]`` marks the tokens that are not padding, ``entry_blocks`` are their
+        requests' entry blocks (``request_blocks(..., entries=True)``) and ``entry_sink`` the
+        entry pool's sink row."""
         phase = positions % rate
+        entry = token_slots(entry_blocks, (positions // rate).unsqueeze(-1), block_size)
+        completes = (phase == rate - 1) & real
         return cls(
             phase=phase,
             window_slots=window.slots,
             before_start=(window.positions < 0).unsqueeze(-1) if overlap else None,
-            entry_rows=torch.where(phase == rate - 1, write, sink),
+            entry_rows=torch.where(completes, entry.squeeze(-1), entry_sink),
             entry_positions=positions - phase,
         )
 

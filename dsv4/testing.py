@@ -33,7 +33,7 @@ import torch
 from hypothesis import assume
 from hypothesis import strategies as st
 
-from dsv4.cache import allocate_kv_caches
+from dsv4.cache import allocate_kv_caches, entry_rate
 from dsv4.config import CSA, HCA, SLIDING, DeepseekV4Config, YarnScaling
 from dsv4.metadata import new_metadata
 from dsv4.model import DeepseekV4ForCausalLM
@@ -61,10 +61,11 @@ VOCAB = 64
 @attrs.frozen(kw_only=True)
 class Chunk:
     """One request's tokens in a step, for driving the model without an engine (any object
-    with these four attributes will do: ``dsv4.metadata.ChunkLike``)."""
+    with these five attributes will do: ``dsv4.metadata.ChunkLike``)."""
 
     row: int
     block_ids: tuple[int, ...]
+    entry_block_ids: tuple[int, ...]
     start_position: int
     num_tokens: int = attrs.field(validator=attrs.validators.gt(0))
 
@@ -93,20 +94,19 @@ def run_schedule(
     """Logits ``[len(prompt), vocab]`` of every prompt, computed through ``steps``."""
     rng = random.Random(seed)
     device = next(model.parameters()).device
+    rate = entry_rate(model.config)
     needs = [math.ceil(len(p) / block_size) for p in prompts]
+    blocks, num_blocks = _shuffled_blocks(needs, rng)
+    entry_needs = [math.ceil(len(p) // rate / block_size) for p in prompts]
+    entry_blocks, num_entry_blocks = _shuffled_blocks(entry_needs, rng)
     max_blocks = max(needs)
-    pool = list(range(sum(needs) + 1))
-    rng.shuffle(pool)
-    blocks, start = [], 0
-    for need in needs:
-        blocks.append(tuple(pool[start : start + need]))
-        start += need
     rows = list(range(len(prompts)))
     rng.shuffle(rows)
     caches = allocate_kv_caches(
         model.config,
-        num_blocks=len(pool),
+        num_blocks=num_blocks,
         block_size=block_size,
+        num_entry_blocks=num_entry_blocks,
         device=device,
         dtype=model.compute_dtype,
     )
@@ -126,6 +126,7 @@ def run_schedule(
                 Chunk(
                     row=rows[request],
                     block_ids=blocks[request],
+                    entry_block_ids=entry_blocks[request],
                     start_position=begin,
                     num_tokens=count,
                 )
@@ -139,6 +140,7 @@ def run_schedule(
             block_size=block_size,
             max_rows=len(prompts),
             max_blocks=max_blocks,
+            entry_rate=rate,
             device=device,
         )
         input_ids = torch.tensor(ids + [0] * (padded - len(ids)), device=device)
@@ -153,6 +155,20 @@ def run_schedule(
     if unfinished:
         raise ValueError(f"the schedule leaves requests {unfinished} unfinished")
     return [torch.cat(parts) for parts in outputs]
+
+
+def _shuffled_blocks(
+    needs: Sequence[int], rng: random.Random
+) -> tuple[list[tuple[int, ...]], int]:
+    """Disjoint blocks of a shuffled pool, ``needs[i]`` for request ``i``, and the pool's size
+    (one spare block, so no id is special)."""
+    pool = list(range(sum(needs) + 1))
+    rng.shuffle(pool)
+    blocks, start = [], 0
+    for need in needs:
+        blocks.append(tuple(pool[start : start + need]))
+        start += need
+    return blocks, len(pool)
 
 
 def random_model(

@@ -46,7 +46,7 @@ from typing import ClassVar
 
 import torch
 
-from dsv4.cache import allocate_kv_caches
+from dsv4.cache import allocate_kv_caches, entry_rate, lookback
 from dsv4.metadata import AttentionMetadata, stage_into
 from dsv4.model import DeepseekV4ForCausalLM
 from graphs.audit import AuditFinding, AuditMode
@@ -128,6 +128,7 @@ class ModelRunner(abc.ABC):
         self.max_graph_contexts = max_graph_contexts
         self.audit: AuditMode = audit
         self.vocab_size: int = model.config.vocab_size
+        self.entry_rate = entry_rate(model.config)
         self.limits = EngineLimits(
             max_rows=layout.max_rows,
             max_num_tokens=max_num_tokens,
@@ -135,6 +136,9 @@ class ModelRunner(abc.ABC):
             block_size=layout.block_size,
             max_blocks_per_row=layout.max_blocks_per_row,
             vocab_size=self.vocab_size,
+            num_entry_blocks=layout.num_entry_blocks,
+            entry_rate=self.entry_rate,
+            lookback=lookback(model.config),
         )
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, device=self.device)
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=self.device)
@@ -142,6 +146,7 @@ class ModelRunner(abc.ABC):
             model.config,
             num_blocks=layout.num_blocks,
             block_size=layout.block_size,
+            num_entry_blocks=layout.num_entry_blocks,
             device=self.device,
             dtype=model.compute_dtype,
         )
@@ -320,6 +325,11 @@ class ModelRunner(abc.ABC):
             if any(not 0 <= b < self.layout.num_blocks for b in chunk.block_ids):
                 raise RunnerInputError(
                     f"{where}: block ids {chunk.block_ids} outside 0..{self.layout.num_blocks - 1}"
+                )
+            entries = self.layout.num_entry_blocks
+            if any(not 0 <= b < entries for b in chunk.entry_block_ids):
+                raise RunnerInputError(
+                    f"{where}: entry block ids {chunk.entry_block_ids} outside 0..{entries - 1}"
                 )
             if any(not 0 <= t < self.vocab_size for t in ids):
                 raise RunnerInputError(f"{where}: token ids outside 0..{self.vocab_size - 1}")

@@ -2,18 +2,22 @@
 the cache layout a runner allocates.
 
 Invariants:
-- The number of KV blocks follows from the KV memory budget and the model's cache bytes per
-  token (every layer's sliding-window cache, compressor state and entries, indexer keys;
-  ``dsv4.cache.bytes_per_token``): ``num_blocks * block_size * bytes_per_token <= budget``. It
-  never exceeds what ``max_num_seqs`` requests of the maximum context need, so a small model
-  does not take memory it can never use.
+- The caches are two pools (``dsv4.cache``): the block pool holds each token's window and
+  compressor state, the entry pool each compressed entry. One request holds at most
+  ``ceil((lookback - 1 + chunk) / block_size) + 1`` blocks of the first at once (the engine
+  frees what left every layer's lookback; ``chunk`` is the step's token budget) and
+  ``ceil((max_model_len // entry_rate) / block_size)`` blocks of the second.
 - The budget is ``kv_cache_memory`` bytes when given, else ``memory_fraction`` of the device's
   free memory measured after the model is loaded. When neither is given it is
   ``DEFAULT_MEMORY_FRACTION`` of free memory, and at most ``DEFAULT_CPU_KV_CACHE_MEMORY`` on the
   CPU, where the caches share memory with everything else (vLLM's CPU backend defaults to the
   same 4 GiB).
+- Both pools get the same share of what ``max_num_seqs`` requests of ``max_model_len`` hold at
+  most (all of it when the budget allows, so a small model does not take memory it can never
+  use): the pools' bytes never exceed the budget, and one request of ``max_model_len`` always
+  fits.
 - ``max_model_len`` defaults to the checkpoint's ``max_position_embeddings``; when the budget
-  cannot hold one request of that length, it is capped to what the budget holds, with a note.
+  cannot hold one request of that length, it is capped to the longest it holds, with a note.
   An explicit ``max_model_len`` above ``max_position_embeddings``, or one the budget cannot
   hold, is refused (``CapacityError``, one line), as is any non-positive value.
 - Everything that needs only the config (``Capacity.check``) is checked before the model loads.
@@ -27,7 +31,7 @@ from typing import Any
 import attrs
 import torch
 
-from dsv4.cache import bytes_per_token
+from dsv4.cache import cache_bytes, entry_rate, lookback
 from dsv4.config import DeepseekV4Config
 from runners.layout import CacheLayout
 
@@ -95,12 +99,13 @@ class Capacity:
                 f"max_position_embeddings {limit}"
             )
         if self.kv_cache_memory is not None:
-            self._blocks_for_budget(_per_token(config, dtype), self.kv_cache_memory)
+            _PoolSizes.of(config, dtype, self.block_size).require_a_block(self.kv_cache_memory)
 
     def plan(
-        self, config: DeepseekV4Config, dtype: torch.dtype, device: torch.device
+        self, config: DeepseekV4Config, dtype: torch.dtype, device: torch.device, chunk: int
     ) -> CapacityPlan:
-        """The layout for ``config``'s caches in ``dtype`` on ``device`` (see the invariants)."""
+        """The layout for ``config``'s caches in ``dtype`` on ``device``, for steps of at most
+        ``chunk`` tokens (see the invariants)."""
         self.check(config, dtype)
         if self.kv_cache_memory is not None:
             budget = self.kv_cache_memory
@@ -110,47 +115,91 @@ class Capacity:
             budget = int(free_memory(device) * DEFAULT_MEMORY_FRACTION)
             if device.type == "cpu":
                 budget = min(budget, DEFAULT_CPU_KV_CACHE_MEMORY)
-        per_token = _per_token(config, dtype)
-        budget_blocks = self._blocks_for_budget(per_token, budget)
+        sizes = _PoolSizes.of(config, dtype, self.block_size)
+        sizes.require_a_block(budget)
         declared = config.max_position_embeddings
         length = declared if self.max_model_len is None else self.max_model_len
         note = None
-        if -(-length // self.block_size) > budget_blocks:
+        if sizes.bytes_of(sizes.per_seq(length, chunk)) > budget:
             if self.max_model_len is not None:
                 raise CapacityError(
-                    f"max_model_len {length} needs {_mib(length * per_token)} of KV cache for "
-                    f"one request; the budget is {_mib(budget)} (raise kv_cache_memory or "
+                    f"max_model_len {length} needs "
+                    f"{_mib(sizes.bytes_of(sizes.per_seq(length, chunk)))} of KV cache for one "
+                    f"request; the budget is {_mib(budget)} (raise kv_cache_memory or "
                     "memory_fraction, or lower max_model_len)"
                 )
-            length = budget_blocks * self.block_size
+            length = sizes.longest_within(budget, chunk)
             note = (
                 f"max-model-len capped to {length} tokens by the KV cache budget "
                 f"{_mib(budget)} (the checkpoint declares {declared})"
             )
-        blocks_per_seq = -(-length // self.block_size)
+        blocks, entry_blocks = sizes.per_seq(length, chunk)
+        share = min(1.0, budget / (self.max_num_seqs * sizes.bytes_of((blocks, entry_blocks))))
         layout = CacheLayout(
-            num_blocks=min(budget_blocks, self.max_num_seqs * blocks_per_seq),
+            num_blocks=max(blocks, int(self.max_num_seqs * blocks * share)),
+            num_entry_blocks=max(entry_blocks, int(self.max_num_seqs * entry_blocks * share)),
             block_size=self.block_size,
             max_rows=self.max_num_seqs,
-            max_blocks_per_row=blocks_per_seq,
+            max_blocks_per_row=-(-length // self.block_size),
         )
         return CapacityPlan(
             layout=layout,
             max_model_len=length,
             budget_bytes=budget,
-            bytes_per_token=per_token,
+            block_bytes=sizes.block_bytes,
+            entry_block_bytes=sizes.entry_block_bytes,
             note=note,
         )
 
-    def _blocks_for_budget(self, per_token: int, budget: int) -> int:
-        per_block = self.block_size * per_token
-        blocks = budget // per_block
-        if blocks < 1:
+
+@attrs.frozen
+class _PoolSizes:
+    """Bytes of one block of each pool, and what one request needs of each."""
+
+    block_size: int
+    block_bytes: int
+    entry_block_bytes: int
+    lookback: int
+    entry_rate: int
+
+    @classmethod
+    def of(cls, config: DeepseekV4Config, dtype: torch.dtype, block_size: int) -> _PoolSizes:
+        per_type = cache_bytes(config, dtype)
+        return cls(
+            block_size=block_size,
+            block_bytes=block_size * sum(per_type[t].per_token for t in config.layer_types),
+            entry_block_bytes=block_size * sum(per_type[t].per_entry for t in config.layer_types),
+            lookback=lookback(config),
+            entry_rate=entry_rate(config),
+        )
+
+    def per_seq(self, length: int, chunk: int) -> tuple[int, int]:
+        """(blocks, entry blocks) one request of ``length`` tokens holds at most at once."""
+        size = self.block_size
+        blocks = min(-(-length // size), -(-(self.lookback - 1 + chunk) // size) + 1)
+        return blocks, max(1, -(-(length // self.entry_rate) // size))
+
+    def bytes_of(self, blocks: tuple[int, int]) -> int:
+        return blocks[0] * self.block_bytes + blocks[1] * self.entry_block_bytes
+
+    def longest_within(self, budget: int, chunk: int) -> int:
+        """The longest request (a multiple of the block size) one budget holds."""
+        low, high = 1, budget // max(1, self.entry_block_bytes) * self.entry_rate + 1
+        while low < high:  # the largest block count whose request fits
+            middle = (low + high + 1) // 2
+            if self.bytes_of(self.per_seq(middle * self.block_size, chunk)) <= budget:
+                low = middle
+            else:
+                high = middle - 1
+        return low * self.block_size
+
+    def require_a_block(self, budget: int) -> None:
+        if self.bytes_of((1, 1)) > budget:
             raise CapacityError(
                 f"the KV cache budget {_mib(budget)} holds no block of {self.block_size} tokens "
-                f"({_mib(per_block)} each); raise kv_cache_memory or memory_fraction"
+                f"({_mib(self.bytes_of((1, 1)))} with its entry block); raise kv_cache_memory "
+                "or memory_fraction"
             )
-        return blocks
 
 
 @attrs.frozen(kw_only=True)
@@ -160,10 +209,19 @@ class CapacityPlan:
     layout: CacheLayout
     max_model_len: int
     budget_bytes: int
-    bytes_per_token: int
-    """Cache bytes of one token across every layer."""
+    block_bytes: int
+    """Bytes of one block of the block pool (window and compressor state, every layer)."""
+    entry_block_bytes: int
+    """Bytes of one block of the entry pool (compressed entries, every layer)."""
     note: str | None
     """One line when ``max_model_len`` was capped by the budget."""
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        layout = self.layout
+        return layout.num_blocks * self.block_bytes + layout.num_entry_blocks * (
+            self.entry_block_bytes
+        )
 
     def to_dict(self) -> dict[str, int | str | None]:
         layout = self.layout
@@ -172,10 +230,12 @@ class CapacityPlan:
             "max_num_seqs": layout.max_rows,
             "block_size": layout.block_size,
             "num_blocks": layout.num_blocks,
+            "num_entry_blocks": layout.num_entry_blocks,
             "max_blocks_per_seq": layout.max_blocks_per_row,
-            "kv_cache_bytes": layout.num_blocks * layout.block_size * self.bytes_per_token,
+            "kv_cache_bytes": self.kv_cache_bytes,
             "kv_budget_bytes": self.budget_bytes,
-            "kv_bytes_per_token": self.bytes_per_token,
+            "block_bytes": self.block_bytes,
+            "entry_block_bytes": self.entry_block_bytes,
             "note": self.note,
         }
 
@@ -197,12 +257,6 @@ def free_memory(device: torch.device) -> int:
     raise CapacityError(
         f"cannot measure free memory on a {device.type} device; give kv_cache_memory"
     )
-
-
-def _per_token(config: DeepseekV4Config, dtype: torch.dtype) -> int:
-    """Cache bytes of one token across every layer of ``config``."""
-    per_type = bytes_per_token(config, dtype)
-    return sum(per_type[layer_type] for layer_type in config.layer_types)
 
 
 def _mib(nbytes: int) -> str:

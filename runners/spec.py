@@ -183,7 +183,9 @@ def build_engine(spec: EngineSpec, *, model: DeepseekV4ForCausalLM | None = None
     plan = None
     layout = spec.layout
     if layout is None:
-        plan = capacity.plan(model.config, model.compute_dtype, platform.device)
+        plan = capacity.plan(
+            model.config, model.compute_dtype, platform.device, spec.max_num_tokens
+        )
         layout = plan.layout
         if plan.note is not None:
             warnings.warn(plan.note, MaxModelLenCappedWarning, stacklevel=2)

@@ -41,6 +41,7 @@ class ModelRunnerV1(ModelRunner):
             block_size=self.layout.block_size,
             max_rows=self.layout.max_rows,
             max_blocks=width,
+            entry_rate=self.entry_rate,
             device=self.device,
         )
         self.positions[:num_tokens].copy_(positions)

@@ -40,6 +40,7 @@ class ModelRunnerV2(ModelRunner):
             block_size=self.layout.block_size,
             max_rows=self.layout.max_rows,
             max_blocks=self.layout.max_blocks_per_row,
+            entry_rate=self.entry_rate,
             device=self.device,
         )
 
@@ -56,4 +57,5 @@ class ModelRunnerV2(ModelRunner):
             "metadata.token_request": buffers.token_request,
             "metadata.slot_mapping": buffers.slot_mapping,
             "metadata.block_table": buffers.block_table,
+            "metadata.entry_table": buffers.entry_table,
         }

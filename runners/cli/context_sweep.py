@@ -76,9 +76,15 @@ def render_sweep(payload: dict[str, Any]) -> str:
         f"prefill: {prefill['tokens']} tokens in chunks of {prefill['chunk']}: "
         f"{prefill['seconds']:.2f}s, {prefill['tokens_per_s']:.0f} tokens/s"
     )
-    kv = payload["kv_bytes_per_token"]
-    per_type = ", ".join(
-        f"{name} {nbytes} B x {kv['layers'][name]}" for name, nbytes in kv["per_layer_type"].items()
+    kv = payload["kv_bytes"]
+    per_type = "; ".join(
+        f"{name} x{kv['layers'][name]}: {sizes['per_token']} B/token"
+        + (f", {sizes['per_entry']} B/entry" if sizes["per_entry"] else "")
+        for name, sizes in kv["per_layer_type"].items()
     )
-    lines.append(f"KV bytes per token per layer: {per_type}; {kv['total']} B in all")
+    lines.append(f"KV bytes per layer: {per_type}")
+    lines.append(
+        f"(token state is kept for the last {kv['lookback']} positions, one entry per "
+        f"{kv['entry_rate']} tokens for the request's life)"
+    )
     return "\n".join(lines)

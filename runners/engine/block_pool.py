@@ -6,8 +6,9 @@ Invariants:
   to two requests.
 - Freed ids are reused last-in first-out: a block freed by a finished request is the next one
   handed out, which makes any stale read of a reused block show up quickly in tests.
-- ``allocate`` never hands out more than is free; the scheduler's admission control guarantees
-  it is never asked to (see ``scheduler``), so running out here is a bug, not back-pressure.
+- ``allocate`` never hands out more than is free; the scheduler checks ``num_free`` before it
+  asks (admitting, or preempting to make room: see ``scheduler``), so running out here is a bug,
+  not back-pressure.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class BlockPool:
         """Take ``count`` free ids (lowest first on a fresh pool, then most recently freed)."""
         if count > len(self._free):
             raise RuntimeError(
-                f"asked for {count} {self.what}s with {len(self._free)} free (admission bug)"
+                f"asked for {count} {self.what}s with {len(self._free)} free (scheduler bug)"
             )
         taken = self._free[len(self._free) - count :]
         del self._free[len(self._free) - count :]

@@ -9,13 +9,21 @@ and the deterministic reference executor of the engine tests.
 Contract, for every ``execute(chunks, token_ids)`` call the engine makes (``limits`` being the
 executor's ``EngineLimits``):
 - ``1 <= len(chunks) <= max_rows``; rows are distinct and in ``0 .. max_rows-1``; a row is held by
-  one live request from its first chunk to its last (the executor may keep per-row state).
+  one live request from its first chunk to its last (the executor may keep per-row state). A
+  preempted request starts again at position 0 as a new sequence, possibly in another row and
+  through other blocks.
 - ``len(token_ids[i]) == chunks[i].num_tokens``; every id is in ``0 .. vocab_size-1``; the total
   number of tokens is at most ``max_num_tokens``.
 - chunk ``i`` feeds the tokens at positions ``start_position .. start_position+num_tokens-1`` of
   its request; every earlier position was fed by earlier calls, through the same leading
   ``block_ids`` (a request's block list only grows while it lives), which cover every position fed
-  and are owned by that request alone; block ids are in ``0 .. num_blocks-1``.
+  and are owned by that request alone; block ids are in ``0 .. num_blocks-1``. A block all of
+  whose positions are more than ``lookback - 1`` before ``start_position`` is never read again:
+  the engine may have freed it (its id then stands for nothing, and may be any valid id).
+- ``entry_block_ids`` likewise cover the request's compressed entries: ``ceil(e / block_size)``
+  blocks for its ``e = (start_position + num_tokens) // entry_rate`` complete entries, owned by it
+  alone, never released while it runs (preemption frees them, as it frees its blocks); ids are in
+  ``0 .. num_entry_blocks-1``.
 - The executor writes the KV of every fed token and returns float32 logits ``[len(chunks),
   vocab_size]``: row ``i`` is the next-token distribution after the LAST token of chunk ``i``.
   A sampled row holding NaN or inf fails its request alone (``FinishReason.ERROR``).
@@ -48,6 +56,11 @@ class ScheduledChunk:
     start_position: int
     """Position of the first token of this chunk (= tokens already in the cache)."""
     num_tokens: int = attrs.field(validator=attrs.validators.gt(0))
+    entry_block_ids: tuple[int, ...] = attrs.field(
+        default=attrs.Factory(lambda chunk: chunk.block_ids, takes_self=True)
+    )
+    """Entry blocks owned by the request, in order (default: ``block_ids``, which serve when
+    the entry pool is at least as large as the block pool and nothing was freed)."""
 
 
 def _positive(_: Any, attribute: attrs.Attribute[int], value: int) -> None:
@@ -71,6 +84,16 @@ class EngineLimits:
     """Blocks one row can address."""
     vocab_size: int = attrs.field(validator=_positive)
     """Size of the vocabulary (the width of the logits)."""
+    num_entry_blocks: int = attrs.field(
+        default=attrs.Factory(lambda limits: limits.num_blocks, takes_self=True),
+        validator=_positive,
+    )
+    """Entry-pool blocks in total (compressed entries), ids ``0 .. num_entry_blocks-1``."""
+    entry_rate: int = attrs.field(default=1, validator=_positive)
+    """Positions per entry slot (the model's finest compression rate)."""
+    lookback: int | None = attrs.field(default=None)
+    """Positions ending at a query that its layers read from the block pool; ``None``: every
+    earlier position may be read, so no block is freed while its request lives."""
 
     @property
     def max_context(self) -> int:

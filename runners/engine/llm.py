@@ -16,6 +16,9 @@ Invariants:
   in that step, and the other requests advance exactly as without it. ``step`` returns it like
   any finished request; ``generate`` lets the rest of its call finish, then raises
   ``RequestFailedError`` carrying every output of the call.
+- Running out of KV blocks is not an error: requests are admitted by the blocks their next step
+  needs, and when the blocks run out the newest running request is preempted and later
+  recomputed (see ``scheduler``). Its output is the one it would have had without preemption.
 - One re-entrant lock serialises the public methods (see ``LLM``), so one engine may be shared
   by threads.
 - Host work per step is proportional to the number of chunks, not to the tokens fed (prefill
@@ -64,11 +67,19 @@ class EngineStats:
     """A snapshot of the engine's queues and cache occupancy."""
 
     waiting: int
+    """Live requests without a row: new ones, and preempted ones waiting to be recomputed."""
     running: int
     free_blocks: int
     total_blocks: int
     free_rows: int
     total_rows: int
+    free_entry_blocks: int
+    total_entry_blocks: int
+    released_blocks: int
+    """Blocks running requests gave back so far, their positions past every layer's lookback."""
+    preemptions: int
+    """Requests preempted so far (each time, so one request may count more than once): each one
+    gave back its blocks and row and is recomputed from its tokens when it resumes."""
 
 
 class LLM:
@@ -102,6 +113,9 @@ class LLM:
             num_blocks=limits.num_blocks,
             block_size=limits.block_size,
             token_budget=budget,
+            num_entry_blocks=limits.num_entry_blocks,
+            entry_rate=limits.entry_rate,
+            lookback=limits.lookback,
         )
         self._ids = itertools.count()
         self._undelivered: list[RequestOutput] = []
@@ -165,6 +179,10 @@ class LLM:
                 total_blocks=s.blocks.size,
                 free_rows=s.rows.num_free,
                 total_rows=s.rows.size,
+                free_entry_blocks=s.entry_blocks.num_free,
+                total_entry_blocks=s.entry_blocks.size,
+                released_blocks=s.num_released_blocks,
+                preemptions=s.num_preemptions,
             )
 
     def generate(
@@ -273,19 +291,21 @@ class LLM:
                 f"maximum context of {self.max_context} tokens; use max_tokens <= "
                 f"{self.max_context - len(prompt) + 1}"
             )
-        max_blocks = -(-cached // self.block_size)
-        if max_blocks > self.scheduler.blocks.size:
-            raise RequestTooLongError(
-                f"request needs {max_blocks} KV blocks of {self.block_size} tokens but the cache "
-                f"has {self.scheduler.blocks.size}; shorten the prompt or max_tokens"
-            )
+        blocks, entry_blocks = self.scheduler.most_held(cached)
+        pools = self.scheduler.blocks, self.scheduler.entry_blocks
+        for needed, pool, what in zip((blocks, entry_blocks), pools, ("KV", "entry"), strict=True):
+            if needed > pool.size:
+                raise RequestTooLongError(
+                    f"request needs {needed} {what} blocks of {self.block_size} tokens but the "
+                    f"cache has {pool.size}; shorten the prompt or max_tokens"
+                )
         if request_id is None:
             request_id = self._fresh_id()
         elif not isinstance(request_id, str):
             raise InvalidRequestError(f"request_id must be a str, got {request_id!r}")
         elif request_id in self.scheduler.live:
             raise InvalidRequestError(f"request id {request_id!r} is already live")
-        return Request(request_id, prompt, params, max_blocks)
+        return Request(request_id, prompt, params)
 
     def _check_vocab(self, prompt: tuple[int, ...]) -> None:
         if min(prompt) >= 0 and max(prompt) < self.vocab_size:

@@ -4,9 +4,19 @@ A request's token sequence is ``prompt + output``. ``num_computed`` counts the l
 KV is in the cache; the rest are fed in the next chunks. The invariants the scheduler keeps:
 - ``0 <= num_computed < len(token_ids)`` while the request is live: the newest token is always
   still to be fed (the last token of a finished request never is).
-- ``len(block_ids) * block_size >= num_computed``: the request's blocks cover every cached token;
-  they are a private, ordered list (block ``i`` holds positions ``i*B .. i*B+B-1``).
-- ``row`` is a block-table row held by this request alone from admission to finish or abort.
+- ``(released + len(block_ids)) * block_size >= num_computed``: the request's blocks cover every
+  cached token; they are a private, ordered list (block ``released + i`` holds positions
+  ``(released+i)*B ..``). The first ``released`` blocks held positions every later query is past
+  the lookback of: they went back to the pool while the request runs (``Scheduler``).
+- ``entry_block_ids`` (private, ordered, never released while the request runs) cover its
+  compressed entries: one entry slot per ``entry_rate`` cached tokens.
+- ``row`` is a block-table row held by this request alone from admission to finish, abort or
+  preemption. A waiting request (new or preempted) holds no row and no block.
+- Preemption empties the cache of a request (``num_computed = 0``, no blocks of either pool, no
+  row) and keeps
+  everything else: ``token_ids`` (so the tokens generated so far are neither lost nor generated
+  again, and still count toward ``max_tokens``) and ``generator`` (whose state has advanced only
+  for tokens actually sampled).
 """
 
 from __future__ import annotations
@@ -55,12 +65,14 @@ class Request:
     __slots__ = (
         "block_ids",
         "block_tuple",
+        "entry_block_ids",
+        "entry_block_tuple",
         "generator",
-        "max_blocks",
         "max_len",
         "num_computed",
         "params",
         "prompt_len",
+        "released",
         "request_id",
         "row",
         "stop_ids",
@@ -68,7 +80,7 @@ class Request:
     )
 
     def __init__(
-        self, request_id: str, prompt_ids: tuple[int, ...], params: SamplingParams, max_blocks: int
+        self, request_id: str, prompt_ids: tuple[int, ...], params: SamplingParams
     ) -> None:
         self.request_id = request_id
         self.params = params
@@ -77,13 +89,16 @@ class Request:
         self.prompt_len = len(prompt_ids)
         self.max_len = self.prompt_len + params.max_tokens
         """Length of the token sequence at which the request stops (``FinishReason.LENGTH``)."""
-        self.max_blocks = max_blocks
-        """Blocks the request needs at worst (all of its tokens but the last one cached)."""
         self.num_computed = 0
         self.row: int | None = None
         self.block_ids: list[int] = []
+        self.released = 0
+        """Leading blocks given back to the pool (their positions left every lookback)."""
         self.block_tuple: tuple[int, ...] = ()
-        """``block_ids`` as the tuple a chunk carries, rebuilt only when a block is added."""
+        """The block list a chunk carries (``RELEASED_BLOCK`` for each released one), rebuilt
+        only when it changes."""
+        self.entry_block_ids: list[int] = []
+        self.entry_block_tuple: tuple[int, ...] = ()
         self.generator: torch.Generator | None = None
 
     def output(self, reason: FinishReason, error: str | None = None) -> RequestOutput:

@@ -8,7 +8,9 @@
   a short request. Graphs are held for every context bucket, so every context replays a graph
   of its own bucket. Engines are timed interleaved, round-robin, as medians.
 - **Prefill throughput** of one ``prefill_tokens``-token prompt, chunked through the engine.
-- **KV cache bytes per token** of one layer of each type, in the model's compute dtype.
+- **KV cache bytes** of one layer of each type, in the model's compute dtype: per token of the
+  block pool (window and compressor state, held for ``lookback`` positions) and per entry of
+  the entry pool (one per ``entry_rate`` tokens, held while the request lives).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 import attrs
 
-from dsv4.cache import bytes_per_token
+from dsv4.cache import cache_bytes, entry_rate, lookback
 from dsv4.dtypes import dtype_name
 from dsv4.model import DeepseekV4ForCausalLM
 from runners.capacity import CapacityError
@@ -68,7 +70,7 @@ def run_context_sweep(
     latency = _decode_latency(base, model, options, progress)
     progress(f"prefill of {options.prefill_tokens} tokens")
     prefill = _prefill(base, model, options)
-    per_type = bytes_per_token(config, model.compute_dtype)
+    per_type = cache_bytes(config, model.compute_dtype)
     return {
         "dtype": dtype_name(model.compute_dtype),
         "threads": threads,
@@ -76,10 +78,14 @@ def run_context_sweep(
         "baseline_max_model_len": options.baseline_max_model_len,
         "decode": latency,
         "prefill": prefill,
-        "kv_bytes_per_token": {
-            "per_layer_type": per_type,
+        "kv_bytes": {
+            "per_layer_type": {
+                name: {"per_token": sizes.per_token, "per_entry": sizes.per_entry}
+                for name, sizes in per_type.items()
+            },
             "layers": {t: config.layer_types.count(t) for t in per_type},
-            "total": sum(per_type[t] for t in config.layer_types),
+            "entry_rate": entry_rate(config),
+            "lookback": lookback(config),
         },
     }
 

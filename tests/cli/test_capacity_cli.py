@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from dsv4.cache import bytes_per_token
+from dsv4.cache import cache_bytes
 from dsv4.config import DeepseekV4Config
 from runners.cli.main import main
 
@@ -16,10 +16,13 @@ RUN = ["run", "--prompt-ids", "1,2,3", "--max-new-tokens", "3", "--platform", "c
 FAST = ["--capture-sizes", "1,2", "--threads", "1"]
 
 
-def _per_token() -> int:
+def _block_bytes(block_size: int) -> tuple[int, int]:
     config = DeepseekV4Config.tiny()
-    per_type = bytes_per_token(config, torch.float32)
-    return sum(per_type[t] for t in config.layer_types)
+    sizes = [cache_bytes(config, torch.float32)[t] for t in config.layer_types]
+    return (
+        block_size * sum(s.per_token for s in sizes),
+        block_size * sum(s.per_entry for s in sizes),
+    )
 
 
 def test_run_json_reports_the_layout_the_flags_derive(capsys: pytest.CaptureFixture[str]) -> None:
@@ -42,16 +45,19 @@ def test_run_json_reports_the_layout_the_flags_derive(capsys: pytest.CaptureFixt
     ]
     assert main(argv) == 0
     payload = json.loads(capsys.readouterr().out)
-    per_token = _per_token()
+    block, entry = _block_bytes(8)
+    # per request: ceil((lookback 16 - 1 + chunk 24) / 8) + 1 = 6 blocks, 96 // 4 = 24 entries
     assert payload["capacity"] == {
         "max_model_len": 96,
         "max_num_seqs": 3,
         "block_size": 8,
-        "num_blocks": 3 * 12,
+        "num_blocks": 3 * 6,
+        "num_entry_blocks": 3 * 3,
         "max_blocks_per_seq": 12,
-        "kv_cache_bytes": 3 * 12 * 8 * per_token,
+        "kv_cache_bytes": 3 * 6 * block + 3 * 3 * entry,
         "kv_budget_bytes": 64 * 2**20,
-        "kv_bytes_per_token": per_token,
+        "block_bytes": block,
+        "entry_block_bytes": entry,
         "note": None,
     }
     # buckets of 32, 64 and 96 tokens (4, 8 and 12 blocks), every one captured ahead of time
@@ -59,7 +65,8 @@ def test_run_json_reports_the_layout_the_flags_derive(capsys: pytest.CaptureFixt
 
 
 def test_a_capped_default_context_is_one_note_line(capsys: pytest.CaptureFixture[str]) -> None:
-    budget = 20 * 16 * _per_token()  # 20 blocks of 16 tokens: 320 of the declared 1024
+    block, entry = _block_bytes(16)
+    budget = 6 * block + 5 * entry  # lookback 16 + chunk 64: 6 blocks; 5 entry blocks: 320
     assert main([*RUN, *FAST, "--kv-cache-memory", str(budget), "--json"]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["capacity"]["max_model_len"] == 320

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv4.attention import DeepseekV4Attention
-from dsv4.cache import allocate_kv_caches
+from dsv4.cache import allocate_kv_caches, entry_rate
 from dsv4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from dsv4.metadata import new_metadata
 from dsv4.testing import Chunk, configs, random_model
@@ -50,7 +50,12 @@ def _run_layer(
     attention = random_model(config, seed).attention_layers()[layer]
     caches = allocate_kv_caches(config, num_blocks=32, block_size=BLOCK)
     metadata, positions = new_metadata(
-        chunks, num_tokens=hidden.shape[0], block_size=BLOCK, max_rows=4, max_blocks=8
+        chunks,
+        num_tokens=hidden.shape[0],
+        block_size=BLOCK,
+        max_rows=4,
+        max_blocks=8,
+        entry_rate=entry_rate(config),
     )
     context = ForwardContext(attn_metadata=metadata, kv_caches=caches, eager_region=strategy)
     with torch.inference_mode(), forward_context(context):
@@ -59,7 +64,13 @@ def _run_layer(
 
 def _chunks(starts: list[int], sizes: list[int]) -> list[Chunk]:
     return [
-        Chunk(row=i, block_ids=tuple(range(8 * i, 8 * i + 8)), start_position=s, num_tokens=n)
+        Chunk(
+            row=i,
+            block_ids=tuple(range(8 * i, 8 * i + 8)),
+            entry_block_ids=tuple(range(8 * i, 8 * i + 8)),
+            start_position=s,
+            num_tokens=n,
+        )
         for i, (s, n) in enumerate(zip(starts, sizes, strict=True))
     ]
 
@@ -147,7 +158,12 @@ def test_each_strategy_is_composed_once_per_layer() -> None:
     attention = random_model(config, 0).attention_layers()[0]
     caches = allocate_kv_caches(config, num_blocks=8, block_size=BLOCK)
     metadata, positions = new_metadata(
-        _chunks([0], [2]), num_tokens=2, block_size=BLOCK, max_rows=1, max_blocks=8
+        _chunks([0], [2]),
+        num_tokens=2,
+        block_size=BLOCK,
+        max_rows=1,
+        max_blocks=8,
+        entry_rate=entry_rate(config),
     )
     hidden = torch.zeros(2, config.hidden_size)
     composed: list[str] = []
@@ -173,7 +189,12 @@ def test_attention_without_caches_or_context_fails_clearly() -> None:
     with pytest.raises(RuntimeError, match="no forward context"):
         attention(positions, hidden)
     metadata, positions = new_metadata(
-        _chunks([0], [2]), num_tokens=2, block_size=BLOCK, max_rows=1, max_blocks=8
+        _chunks([0], [2]),
+        num_tokens=2,
+        block_size=BLOCK,
+        max_rows=1,
+        max_blocks=8,
+        entry_rate=entry_rate(config),
     )
     context = forward_context(ForwardContext(attn_metadata=metadata))
     with context, pytest.raises(RuntimeError, match=r"carries no KV caches: pass ForwardContext"):

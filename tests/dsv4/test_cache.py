@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv4.cache import PagedKVCaches, allocate_kv_caches
+from dsv4.cache import PagedKVCaches, allocate_kv_caches, entry_rate
 from dsv4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from dsv4.metadata import AttentionMetadata, MetadataBuffers, new_metadata
 from dsv4.model import DeepseekV4ForCausalLM
@@ -33,7 +33,9 @@ def _step(
 
 def _chunk(row: int, start: int, count: int) -> Chunk:
     blocks = tuple(range(row * MAX_BLOCKS, (row + 1) * MAX_BLOCKS))
-    return Chunk(row=row, block_ids=blocks, start_position=start, num_tokens=count)
+    return Chunk(
+        row=row, block_ids=blocks, entry_block_ids=blocks, start_position=start, num_tokens=count
+    )
 
 
 def _fresh(config: DeepseekV4Config) -> tuple[DeepseekV4ForCausalLM, PagedKVCaches]:
@@ -57,12 +59,22 @@ def test_padded_tokens_write_nothing(
     caches = fresh[1]
     chunk = _chunk(1, 0, history)
     metadata, positions = new_metadata(
-        [chunk], num_tokens=history, block_size=BLOCK, max_rows=ROWS, max_blocks=MAX_BLOCKS
+        [chunk],
+        num_tokens=history,
+        block_size=BLOCK,
+        max_rows=ROWS,
+        max_blocks=MAX_BLOCKS,
+        entry_rate=entry_rate(config),
     )
     unpadded_logits = _step(fresh, metadata, positions, ids[:history])
     before = [t.clone() for t in caches.tensors()]
     padding, positions = new_metadata(
-        [], num_tokens=pads, block_size=BLOCK, max_rows=ROWS, max_blocks=MAX_BLOCKS
+        [],
+        num_tokens=pads,
+        block_size=BLOCK,
+        max_rows=ROWS,
+        max_blocks=MAX_BLOCKS,
+        entry_rate=entry_rate(config),
     )
     _step(fresh, padding, positions, [])
     for old, new in zip(before, caches.tensors(), strict=True):
@@ -70,7 +82,12 @@ def test_padded_tokens_write_nothing(
 
     padded = _fresh(config)
     metadata, positions = new_metadata(
-        [chunk], num_tokens=history + pads, block_size=BLOCK, max_rows=ROWS, max_blocks=MAX_BLOCKS
+        [chunk],
+        num_tokens=history + pads,
+        block_size=BLOCK,
+        max_rows=ROWS,
+        max_blocks=MAX_BLOCKS,
+        entry_rate=entry_rate(config),
     )
     padded_logits = _step(padded, metadata, positions, ids[:history])
     torch.testing.assert_close(padded_logits[:history], unpadded_logits, rtol=1e-5, atol=1e-5)
@@ -83,11 +100,22 @@ def test_persistent_and_fresh_metadata_give_equal_logits() -> None:
     config = DeepseekV4Config.tiny()
     chunks = [_chunk(0, 0, 9), _chunk(1, 0, 5)]
     metadata, positions = new_metadata(
-        chunks, num_tokens=16, block_size=BLOCK, max_rows=ROWS, max_blocks=MAX_BLOCKS
+        chunks,
+        num_tokens=16,
+        block_size=BLOCK,
+        max_rows=ROWS,
+        max_blocks=MAX_BLOCKS,
+        entry_rate=entry_rate(config),
     )
     ids = list(range(14))
     expected = _step(_fresh(config), metadata, positions, ids)
-    buffers = MetadataBuffers(max_tokens=32, block_size=BLOCK, max_rows=ROWS, max_blocks=MAX_BLOCKS)
+    buffers = MetadataBuffers(
+        max_tokens=32,
+        block_size=BLOCK,
+        max_rows=ROWS,
+        max_blocks=MAX_BLOCKS,
+        entry_rate=entry_rate(config),
+    )
     positions = torch.zeros(32, dtype=torch.long)
     metadata = buffers.write(chunks, num_tokens=16, positions_out=positions)
     assert torch.equal(_step(_fresh(config), metadata, positions[:16], ids), expected)
@@ -120,13 +148,19 @@ def test_running_with_the_caches_of_another_model_fails() -> None:
     other["layer_types"], other["mlp_layer_types"] = [SLIDING, CSA], ["moe", "moe"]
     caches = allocate_kv_caches(DeepseekV4Config.from_hf_dict(other), num_blocks=2, block_size=4)
     metadata, positions = new_metadata(
-        [_chunk(0, 0, 1)], num_tokens=1, block_size=BLOCK, max_rows=ROWS, max_blocks=MAX_BLOCKS
+        [_chunk(0, 0, 1)],
+        num_tokens=1,
+        block_size=BLOCK,
+        max_rows=ROWS,
+        max_blocks=MAX_BLOCKS,
+        entry_rate=1,
     )
     with pytest.raises(ValueError, match="caches hold 2 layers, the model has 3"):
         _step((model, caches), metadata, positions, [1])
 
 
-STEP_ROWS, STEP_BLOCKS = 4, 5
+STEP_ROWS, STEP_BLOCKS, STEP_ENTRY_RATE = 4, 5, 2
+STEP_ENTRY_BLOCKS = 3  # ceil(STEP_BLOCKS / STEP_ENTRY_RATE)
 
 
 @st.composite
@@ -136,9 +170,16 @@ def _step_chunks(draw: st.DrawFn) -> list[Chunk]:
     chunks = []
     for row in rows:
         blocks = tuple(draw(st.lists(st.integers(0, 40), min_size=1, max_size=STEP_BLOCKS)))
+        entries = draw(st.lists(st.integers(0, 40), min_size=1, max_size=STEP_ENTRY_BLOCKS))
         start = draw(st.integers(0, len(blocks) * BLOCK - 1))
         count = draw(st.integers(1, len(blocks) * BLOCK - start))
-        chunk = Chunk(row=row, block_ids=blocks, start_position=start, num_tokens=count)
+        chunk = Chunk(
+            row=row,
+            block_ids=blocks,
+            entry_block_ids=tuple(entries),
+            start_position=start,
+            num_tokens=count,
+        )
         chunks.append(chunk)
     return chunks
 
@@ -150,7 +191,11 @@ def test_persistent_metadata_equals_fresh_metadata_step_after_step(
     """Over steps that add, drop and re-block rows, the persistent buffers (which rewrite only
     the block-table rows that changed) hold what fresh metadata holds wherever a token reads."""
     buffers = MetadataBuffers(
-        max_tokens=128, block_size=BLOCK, max_rows=STEP_ROWS, max_blocks=STEP_BLOCKS
+        max_tokens=128,
+        block_size=BLOCK,
+        max_rows=STEP_ROWS,
+        max_blocks=STEP_BLOCKS,
+        entry_rate=STEP_ENTRY_RATE,
     )
     positions_out = torch.zeros(128, dtype=torch.int64)
     for chunks in steps:
@@ -161,6 +206,7 @@ def test_persistent_metadata_equals_fresh_metadata_step_after_step(
             block_size=BLOCK,
             max_rows=STEP_ROWS,
             max_blocks=STEP_BLOCKS,
+            entry_rate=STEP_ENTRY_RATE,
         )
         persistent = buffers.write(chunks, num_tokens=num_tokens, positions_out=positions_out)
         assert torch.equal(persistent.token_request, fresh.token_request)
@@ -168,3 +214,4 @@ def test_persistent_metadata_equals_fresh_metadata_step_after_step(
         assert torch.equal(positions_out[:num_tokens], positions)
         for chunk in chunks:
             assert torch.equal(persistent.block_table[chunk.row], fresh.block_table[chunk.row])
+            assert torch.equal(persistent.entry_table[chunk.row], fresh.entry_table[chunk.row])

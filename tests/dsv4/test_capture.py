@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4.cache import allocate_kv_caches
+from dsv4.cache import allocate_kv_caches, entry_rate
 from dsv4.config import DeepseekV4Config
 from dsv4.metadata import AttentionMetadata, MetadataBuffers, new_metadata
 from dsv4.model import DeepseekV4ForCausalLM
@@ -30,6 +30,9 @@ from graphs import (
 )
 from graphs.static_memory import StaticMemory
 
+ENTRY_RATE = entry_rate(DeepseekV4Config.tiny())
+"""Entry rate of the tiny config (its entries share the window blocks' ids: never too few)."""
+
 BLOCK, MAX_BLOCKS, TOKENS = 4, 8, 4
 PROMPTS = [list(range(3, 16)), list(range(40, 61))]
 CHUNKS = [[2, 2, 1, 2, 1, 1, 1, 1, 1, 1], [1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1]]
@@ -45,7 +48,11 @@ class _Harness:
         self.region = region
         self.caches = allocate_kv_caches(model.config, num_blocks=16, block_size=BLOCK)
         self.buffers = MetadataBuffers(
-            max_tokens=TOKENS, block_size=BLOCK, max_rows=2, max_blocks=MAX_BLOCKS
+            max_tokens=TOKENS,
+            block_size=BLOCK,
+            max_rows=2,
+            max_blocks=MAX_BLOCKS,
+            entry_rate=ENTRY_RATE,
         )
         self.persistent = persistent
         self.ids = torch.zeros(TOKENS, dtype=torch.long)
@@ -67,7 +74,12 @@ class _Harness:
         if self.persistent:
             return self.buffers.write(chunks, num_tokens=TOKENS, positions_out=self.positions)
         metadata, positions = new_metadata(
-            chunks, num_tokens=TOKENS, block_size=BLOCK, max_rows=2, max_blocks=MAX_BLOCKS
+            chunks,
+            num_tokens=TOKENS,
+            block_size=BLOCK,
+            max_rows=2,
+            max_blocks=MAX_BLOCKS,
+            entry_rate=ENTRY_RATE,
         )
         self.positions.copy_(positions)
         return metadata
@@ -91,6 +103,7 @@ class _Harness:
                     Chunk(
                         row=request,
                         block_ids=blocks[request],
+                        entry_block_ids=blocks[request],
                         start_position=done[request],
                         num_tokens=count,
                     )

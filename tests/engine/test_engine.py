@@ -71,24 +71,40 @@ def test_long_prefill_is_split_across_steps_and_decodes_go_first() -> None:
     assert_all_free(llm)
 
 
-def test_request_waits_for_blocks_then_runs() -> None:
-    """B fits the blocks free after A's first step, but not A's reservation: it must wait."""
+def test_requests_are_admitted_by_their_first_chunk_and_the_newest_is_preempted() -> None:
+    """A (4 blocks at worst) and B (4 at worst) do not fit 6 blocks together, yet both start at
+    once; when B's next token needs a block and none is free, B (the newest) is preempted, waits
+    for A to finish, and is recomputed from its 7 tokens (prompt and output so far) in one chunk."""
     executor = ReferenceExecutor(num_blocks=6, block_size=2, max_rows=4)
     llm = LLM(executor)
-    params = SamplingParams(max_tokens=6)
-    a = llm.add_request([1, 2], params)
-    b = llm.add_request([6, 7, 8, 9], SamplingParams(max_tokens=3))
-    llm.step()
-    assert llm.stats().waiting == 1
-    assert llm.stats().free_blocks == 5
+    a_params, b_params = SamplingParams(max_tokens=6), SamplingParams(max_tokens=5)
+    a = llm.add_request([1, 2], a_params)
+    b = llm.add_request([6, 7, 8, 9], b_params)
     outputs = {}
+    stats = []
     while llm.has_unfinished():
-        for output in llm.step():
-            outputs[output.request_id] = output
-    rows_per_step = [len(step) for step in executor.steps]
-    assert max(rows_per_step) == 1
-    assert outputs[a].output_ids == expected([1, 2], params)[0]
-    assert outputs[b].output_ids == expected([6, 7, 8, 9], SamplingParams(max_tokens=3))[0]
+        outputs.update({o.request_id: o for o in llm.step()})
+        stats.append(llm.stats())
+    shapes = [[(c.row, c.start_position, c.num_tokens) for c in step] for step in executor.steps]
+    assert shapes == [
+        [(0, 0, 2), (1, 0, 4)],
+        [(0, 2, 1), (1, 4, 1)],
+        [(0, 3, 1), (1, 5, 1)],
+        [(0, 4, 1)],
+        [(0, 5, 1)],
+        [(0, 6, 1)],
+        [(0, 0, 7)],
+        [(0, 7, 1)],
+    ]
+    assert [(s.running, s.waiting, s.preemptions) for s in stats[:4]] == [
+        (2, 0, 0),
+        (2, 0, 0),
+        (2, 0, 0),
+        (1, 1, 1),
+    ]
+    assert stats[-1].preemptions == 1
+    assert outputs[a].output_ids == expected([1, 2], a_params)[0]
+    assert outputs[b].output_ids == expected([6, 7, 8, 9], b_params)[0]
     assert_all_free(llm)
 
 

@@ -144,8 +144,8 @@ def test_a_temperature_that_overflows_the_logits_fails_only_its_request() -> Non
 
 
 def test_a_step_that_raises_is_retried_as_it_was_and_failures_still_fail_alone() -> None:
-    """A step whose executor raises may have admitted requests and given them blocks (within
-    their reservations); the next step feeds exactly the same chunks through the same blocks."""
+    """A step whose executor raises may have admitted requests and given them blocks; the next
+    step feeds exactly the same chunks through the same blocks."""
     ex = executor(max_rows=2, max_num_tokens=4)
     ex.poisoned = poison(BAD, 1)
     llm = LLM(ex)
@@ -164,4 +164,32 @@ def test_a_step_that_raises_is_retried_as_it_was_and_failures_still_fail_alone()
     assert outputs[ids[1]].finish_reason is FinishReason.ERROR
     assert outputs[ids[0]].output_ids == expected(GOOD[1], GREEDY)
     assert outputs[ids[2]].output_ids == expected(GOOD[0], GREEDY)
+    assert_all_free(llm)
+
+
+def test_a_step_that_preempted_then_raised_keeps_the_preemption_and_retries_the_rest() -> None:
+    """A and B outgrow 6 blocks at their fourth step, which preempts B (the newest) and then
+    raises: B stays preempted (counted once), A's retry feeds the same position through the same
+    blocks, and both outputs are the reference's."""
+    ex = executor(num_blocks=6, max_rows=4, max_num_tokens=16)
+    llm = LLM(ex)
+    prompts, params = [[1, 2], [6, 7, 8, 9]], [GREEDY, SamplingParams(max_tokens=5)]
+    a, b = (llm.add_request(p, sp) for p, sp in zip(prompts, params, strict=True))
+    outputs: dict[str, RequestOutput] = {}
+    for _ in range(3):
+        outputs.update({o.request_id: o for o in llm.step()})
+    ex.fail_next = RuntimeError("device lost")
+    with pytest.raises(RuntimeError, match="device lost"):
+        llm.step()
+    failed = ex.steps[-1]
+    stats = llm.stats()
+    assert (stats.running, stats.waiting, stats.preemptions) == (1, 1, 1)
+    assert llm.scheduler.waiting[0].request_id == b
+    assert len(llm.generated(b)) == 3
+    outputs.update({o.request_id: o for o in llm.step()})
+    assert ex.steps[-1] == failed
+    outputs.update(run_steps(llm))
+    assert llm.stats().preemptions == 1
+    assert outputs[a].output_ids == expected(prompts[0], params[0])
+    assert outputs[b].output_ids == expected(prompts[1], params[1])
     assert_all_free(llm)

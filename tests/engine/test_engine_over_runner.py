@@ -2,7 +2,8 @@
 reference that recomputes every token by a full prefill of its history on a separate model.
 
 Chunked prefill (budget 16), fewer rows than requests (so a row and its blocks are reused),
-prompts crossing the compressed windows, eager and replayed steps.
+prompts crossing the compressed windows, eager and replayed steps, and a cache small enough that
+requests are preempted and recomputed.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from runners.engine import LLM, RequestFailedError, SamplingParams
 
 PROMPTS = [list(b"Hello, DeepSeek"), list(b"abc"), list(b"The quick brown fox jumps")]
 MAX_TOKENS = 10
+LAYOUT = CacheLayout(num_blocks=24, block_size=8, max_rows=2, max_blocks_per_row=6)
 
 
 def tiny_model() -> DeepseekV4ForCausalLM:
@@ -77,11 +79,11 @@ def test_engine_over_runner_equals_full_recompute(
     assert replayed_modes == {m for m in (decode, mixed) if m is not CUDAGraphMode.NONE}
 
 
-def v2_runner(model: DeepseekV4ForCausalLM) -> ModelRunner:
+def v2_runner(model: DeepseekV4ForCausalLM, layout: CacheLayout = LAYOUT) -> ModelRunner:
     return ModelRunnerV2(
         model,
         platform=CpuPlatform(),
-        layout=CacheLayout(num_blocks=24, block_size=8, max_rows=2, max_blocks_per_row=6),
+        layout=layout,
         eager_region=NarrowRegion(),
         decode_mode=CUDAGraphMode.FULL,
         mixed_mode=CUDAGraphMode.PIECEWISE,
@@ -105,6 +107,33 @@ def test_a_request_the_model_turns_to_nan_fails_alone_and_its_blocks_are_reused_
     assert [o.output_ids for o in e.value.outputs[1:]] == reference_tokens
     outputs = [o.output_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))]
     assert outputs == reference_tokens
+
+
+def test_preempted_requests_are_recomputed_through_the_runner_to_the_same_tokens(
+    reference_tokens: list[tuple[int, ...]],
+) -> None:
+    """4 blocks of 8 tokens for 3 rows: a request holds at most 4 at once (its last 16 positions,
+    the tiny model's lookback, and a chunk of 8, in blocks; earlier ones are released while it
+    runs), so the 25-token prompt alone may need them all, and requests are preempted as they
+    grow; one after generating tokens, so its prompt and those tokens are recomputed (across the
+    compressed windows, by replayed graphs). Every output is the full recompute's."""
+    layout = CacheLayout(num_blocks=4, block_size=8, max_rows=3, max_blocks_per_row=6)
+    llm = LLM(v2_runner(tiny_model(), layout), max_num_batched_tokens=8)
+    order = [0, 1, 2]
+    ids = [llm.add_request(PROMPTS[i], SamplingParams(max_tokens=MAX_TOKENS)) for i in order]
+    outputs: dict[str, tuple[int, ...]] = {}
+    generated_when_preempted = []
+    while llm.has_unfinished():
+        preemptions = llm.stats().preemptions
+        outputs.update({o.request_id: o.output_ids for o in llm.step()})
+        if llm.stats().preemptions > preemptions:
+            newest = llm.scheduler.waiting[0].request_id
+            generated_when_preempted.append(len(llm.generated(newest)))
+    assert [outputs[i] for i in ids] == [reference_tokens[i] for i in order]
+    assert max(generated_when_preempted) > 0
+    stats = llm.stats()
+    assert (stats.free_blocks, stats.free_rows) == (4, 3)
+    assert stats.released_blocks > 0
 
 
 def test_one_engine_over_a_runner_shared_by_two_threads(

@@ -1,12 +1,12 @@
 """Hypothesis: random caches, budgets, arrivals, aborts, executor failures and requests whose
 logits turn to NaN; the engine's tokens equal the reference loop's (a failed request's up to its
-failure), every step keeps the scheduling and block-accounting invariants, and everything is free
-at the end."""
+failure), every step keeps the scheduling, preemption and block-accounting invariants, and
+everything is free at the end. Caches are small, so many schedules preempt."""
 
 from __future__ import annotations
 
 import attrs
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from runners.engine import (
@@ -16,6 +16,7 @@ from runners.engine import (
     RequestTooLongError,
     SamplingParams,
 )
+from runners.engine.scheduler import RELEASED_BLOCK
 from tests.engine.reference import ReferenceExecutor, reference_generate
 
 VOCAB = 12
@@ -93,27 +94,94 @@ def scenarios(draw: st.DrawFn) -> Scenario:
 
 
 def fits(arrival: Arrival, sizes: dict[str, int]) -> bool:
-    """The admission rule restated: the KV of all tokens but the last fits a row and the cache."""
+    """The refusal rule restated: the KV of all tokens but the last fits a row and the cache."""
     cached = len(arrival.prompt) + arrival.params.max_tokens - 1
     blocks = -(-cached // sizes["block_size"])
     return blocks <= sizes["max_blocks_per_row"] and blocks <= sizes["num_blocks"]
 
 
-def check_step_invariants(llm: LLM, executor: ReferenceExecutor, budget: int, before: dict) -> None:
-    """Decodes precede prefills, the budget holds, an unspent budget left no request out, and the
-    live requests' blocks are disjoint and, with the free ones, make up the whole cache."""
+@attrs.frozen(kw_only=True)
+class Before:
+    """The running requests before a step, oldest first."""
+
+    ids: tuple[str, ...]
+    rows: tuple[int, ...]
+    decoding: frozenset[int]
+    """Rows of the requests past their prefill (one token pending, none of their prompt)."""
+    preemptions: int
+
+    @classmethod
+    def of(cls, llm: LLM) -> Before:
+        running = llm.scheduler.running
+        return cls(
+            ids=tuple(r.request_id for r in running),
+            rows=tuple(r.row for r in running if r.row is not None),
+            decoding=frozenset(
+                r.row
+                for r in running
+                if r.row is not None
+                and r.num_computed >= r.prompt_len
+                and len(r.token_ids) - r.num_computed == 1
+            ),
+            preemptions=llm.stats().preemptions,
+        )
+
+
+def check_block_accounting(llm: LLM) -> None:
+    """Running requests hold disjoint blocks, entry blocks and rows which, with the free ones,
+    make up the pools; a released block held only positions past the lookback of every later
+    query; every other live request (new or preempted) waits holding nothing."""
+    scheduler = llm.scheduler
+    for pool, owned in (
+        (scheduler.blocks, [b for r in scheduler.running for b in r.block_ids]),
+        (scheduler.entry_blocks, [b for r in scheduler.running for b in r.entry_block_ids]),
+    ):
+        assert len(set(owned)) == len(owned)
+        assert len(owned) + pool.num_free == pool.size
+    rows = [r.row for r in scheduler.running]
+    assert None not in rows and len(set(rows)) == len(rows)
+    assert len(rows) + scheduler.rows.num_free == scheduler.rows.size
+    size, lookback = scheduler.block_size, scheduler.lookback
+    for request in scheduler.running:
+        assert (request.released + len(request.block_ids)) * size >= request.num_computed
+        if lookback is None:
+            assert request.released == 0
+        else:  # the next query reads positions from num_computed - lookback + 1 on
+            assert request.released * size <= max(0, request.num_computed - lookback + 1)
+        released = (RELEASED_BLOCK,) * request.released
+        assert request.block_tuple == released + tuple(request.block_ids)
+        entries = request.num_computed // scheduler.entry_rate
+        assert len(request.entry_block_ids) * size >= entries
+        assert request.entry_block_tuple == tuple(request.entry_block_ids)
+    for request in scheduler.waiting:
+        assert (request.row, request.block_ids, request.num_computed) == (None, [], 0)
+        assert (request.released, request.entry_block_ids) == (0, [])
+    live = [r.request_id for r in (*scheduler.running, *scheduler.waiting)]
+    assert sorted(live) == sorted(scheduler.live)
+
+
+def check_step_invariants(
+    llm: LLM, executor: ReferenceExecutor, budget: int, before: Before
+) -> None:
+    """Decodes precede prefills and the budget holds; the requests preempted are the newest
+    running ones, never the oldest, they wait at the front of the queue in admission order, and
+    nothing is admitted in their step; an unspent budget left out no running request that was not
+    preempted; block accounting holds."""
     chunks = executor.steps[-1]
     assert sum(c.num_tokens for c in chunks) <= budget
-    decode = [c.row in before and c.start_position >= before[c.row] for c in chunks]
+    decode = [c.row in before.decoding for c in chunks]
     assert decode == sorted(decode, reverse=True)
+    waiting = [r.request_id for r in llm.scheduler.waiting]
+    preempted = [i for i in before.ids if i in waiting]
+    kept = len(before.ids) - len(preempted)
+    assert before.ids[kept:] == tuple(preempted) == tuple(waiting[: len(preempted)])
+    assert llm.stats().preemptions - before.preemptions == len(preempted)
+    if preempted:
+        assert kept >= 1, "the oldest running request was preempted"
+        assert {c.row for c in chunks} <= set(before.rows[:kept]), "admitted after a preemption"
     if sum(c.num_tokens for c in chunks) < budget:
-        assert set(before) <= {c.row for c in chunks}
-    scheduler = llm.scheduler
-    held = [b for r in scheduler.running for b in r.block_ids]
-    assert len(set(held)) == len(held)
-    assert len(held) + scheduler.blocks.num_free == scheduler.blocks.size
-    committed = sum(r.max_blocks for r in scheduler.running)
-    assert scheduler.committed_blocks == committed <= scheduler.blocks.size
+        assert set(before.rows[:kept]) <= {c.row for c in chunks}
+    check_block_accounting(llm)
 
 
 @settings(max_examples=8 * settings().max_examples)
@@ -142,7 +210,7 @@ def test_engine_equals_reference_under_any_schedule(scenario: Scenario) -> None:
                 aborted = llm.abort(request_id)
                 assert aborted is not None
                 results[request_id] = aborted
-        before = {r.row: r.prompt_len for r in llm.scheduler.running}
+        before = Before.of(llm)
         calls = len(executor.steps)
         if step in scenario.failing_steps and llm.has_unfinished():
             executor.fail_next = RuntimeError("injected")
@@ -174,3 +242,4 @@ def test_engine_equals_reference_under_any_schedule(scenario: Scenario) -> None:
             assert (output.output_ids, output.finish_reason) == (want, reason)
     stats = llm.stats()
     assert (stats.free_blocks, stats.free_rows) == (stats.total_blocks, stats.total_rows)
+    event("preempted" if stats.preemptions else "not preempted")

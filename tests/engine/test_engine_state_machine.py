@@ -1,22 +1,29 @@
 """A hypothesis state machine drives a graph-capturing engine and an eager engine in lockstep.
 
-Operations: add a request, step, abort a live request, clear the captured graphs (the next
-steps capture again). After every operation both engines must report the same finished
-requests with the same tokens, and the same queue and cache occupancy. The graph engine runs
-the default resolution on the CPU (V2, FULL decode, PIECEWISE mixed, narrow region) with small
-capture sizes, so steps mix replayed FULL and PIECEWISE graphs, padding and eager fallback.
+Operations (after one request per row to start with): add a request, step, abort a live
+request, clear the captured graphs (the next steps capture again). After every operation both
+engines must report the same finished requests with the same tokens, the same queue and cache
+occupancy and the same preemptions, and each keeps its block accounting (no block held twice,
+held + free = all, a waiting or preempted request holds nothing). The graph engine runs the
+default resolution on the CPU (V2, FULL decode, PIECEWISE mixed, narrow region) with small
+capture sizes, so steps mix replayed FULL and PIECEWISE graphs, padding and eager fallback. The
+cache has 5 blocks for 3 rows of up to 4 blocks each, so requests are preempted and recomputed
+(through graphs, too) whenever three grow at once.
 """
 
 from __future__ import annotations
 
 import attrs
-from hypothesis import settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
+    MultipleResults,
     RuleBasedStateMachine,
     consumes,
+    initialize,
     invariant,
+    multiple,
     precondition,
     rule,
 )
@@ -26,6 +33,7 @@ from dsv4.weights import randomize_
 from runners import CacheLayout, SamplingParams
 from runners.engine import LLM, RequestOutput
 from runners.spec import Engine, EngineSpec, build_engine
+from tests.engine.test_engine_properties import check_block_accounting
 
 CONFIG = DeepseekV4Config(
     vocab_size=64,
@@ -59,9 +67,11 @@ SPEC = EngineSpec(
     platform="cpu",
     capture_sizes=(1, 2, 4),
     max_num_tokens=8,
-    layout=CacheLayout(num_blocks=16, block_size=4, max_rows=3, max_blocks_per_row=6),
+    layout=CacheLayout(num_blocks=5, block_size=4, max_rows=3, max_blocks_per_row=6),
 )
 BUDGET = 6
+PROMPTS = st.lists(st.integers(0, CONFIG.vocab_size - 1), min_size=1, max_size=9)
+MAX_TOKENS = st.integers(1, 6)
 
 
 def _engine(**changes: object) -> Engine:
@@ -88,11 +98,15 @@ class EngineAgainstEager(RuleBasedStateMachine):
         self.next_id = 0
         self.tokens_compared = 0
 
-    @rule(
+    @initialize(
         target=live,
-        prompt=st.lists(st.integers(0, CONFIG.vocab_size - 1), min_size=1, max_size=9),
-        max_tokens=st.integers(1, 6),
+        requests=st.lists(st.tuples(PROMPTS, MAX_TOKENS), min_size=3, max_size=3),
     )
+    def one_request_per_row(self, requests: list[tuple[list[int], int]]) -> MultipleResults[str]:
+        """Start with every row taken, so the cache is contended from the first steps."""
+        return multiple(*(self.add_request(prompt, n) for prompt, n in requests))
+
+    @rule(target=live, prompt=PROMPTS, max_tokens=MAX_TOKENS)
     def add_request(self, prompt: list[int], max_tokens: int) -> str:
         request_id = f"r{self.next_id}"
         self.next_id += 1
@@ -126,12 +140,18 @@ class EngineAgainstEager(RuleBasedStateMachine):
     def same_occupancy(self) -> None:
         assert self.graph_llm.stats() == self.eager_llm.stats()
 
+    @invariant()
+    def blocks_are_accounted_for(self) -> None:
+        check_block_accounting(self.graph_llm)
+        check_block_accounting(self.eager_llm)
+
     def teardown(self) -> None:
         while self.eager_llm.has_unfinished():
             assert _summary(self.graph_llm.step()) == _summary(self.eager_llm.step())
         assert not self.graph_llm.has_unfinished()
         stats = self.graph_llm.stats()
         assert stats.free_blocks == stats.total_blocks and stats.free_rows == stats.total_rows
+        event("preempted" if stats.preemptions else "not preempted")
 
 
 EngineAgainstEager.TestCase.settings = settings(
@@ -140,3 +160,19 @@ EngineAgainstEager.TestCase.settings = settings(
     stateful_step_count=25,
 )
 test_engine_matches_eager_under_random_operations = EngineAgainstEager.TestCase
+
+
+def test_the_machine_preempts_and_recomputes() -> None:
+    """Three requests growing at once outgrow the 5 blocks: the machine's cache really preempts,
+    and both engines still agree token for token (the rules above, applied by hand)."""
+    machine = EngineAgainstEager()
+    for prompt in ([1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12], [13, 14, 15]):
+        machine.add_request(prompt, max_tokens=6)
+    while machine.eager_llm.has_unfinished():
+        machine.step()
+        machine.same_occupancy()
+        machine.blocks_are_accounted_for()
+    assert machine.eager_llm.stats().preemptions > 0
+    assert machine.tokens_compared == 18
+    stats = machine.graph_llm.stats()
+    assert stats.free_blocks == stats.total_blocks and stats.free_rows == stats.total_rows

@@ -8,7 +8,7 @@ import argparse
 import pytest
 import torch
 
-from dsv4.cache import allocate_kv_caches, bytes_per_token
+from dsv4.cache import CacheBytes, allocate_kv_caches, cache_bytes, entry_rate, lookback
 from dsv4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from runners.capacity import Capacity, CapacityError
 from runners.cli.values import byte_count
@@ -17,65 +17,82 @@ from runners.spec import EngineSpec, build_engine
 CPU = torch.device("cpu")
 
 
-def test_bytes_per_token_are_the_hand_derived_sizes_of_each_layer_type() -> None:
+def test_cache_bytes_are_the_hand_derived_sizes_of_each_layer_type() -> None:
     config = DeepseekV4Config.tiny()
     head, index = config.head_dim, config.index_head_dim
     b = 2  # bfloat16; the compressor gates stay float32 (4 bytes)
-    # sliding: the window latent; HCA: + compressor kv, gate, entries; CSA: both halves of the
-    # overlapping compressor and indexer (kv and gate 2 * dim wide), + their entries
+    # per token: the window latent, + compressor kv and gate (2 * dim wide when overlapping,
+    # for CSA and its indexer); per entry: the pooled entries (CSA: + the indexer's keys)
     expected = {
-        SLIDING: head * b,
-        HCA: head * b + head * b + head * 4 + head * b,
-        CSA: head * b + 2 * head * (b + 4) + head * b + 2 * index * (b + 4) + index * b,
+        SLIDING: CacheBytes(per_token=head * b, per_entry=0),
+        HCA: CacheBytes(per_token=head * b + head * (b + 4), per_entry=head * b),
+        CSA: CacheBytes(
+            per_token=head * b + 2 * head * (b + 4) + 2 * index * (b + 4),
+            per_entry=head * b + index * b,
+        ),
     }
-    assert bytes_per_token(config, torch.bfloat16) == expected
+    assert cache_bytes(config, torch.bfloat16) == expected
 
 
-def test_bytes_per_token_account_for_every_allocated_cache_byte() -> None:
+def test_cache_bytes_account_for_every_allocated_cache_byte() -> None:
     config = DeepseekV4Config.tiny()
-    caches = allocate_kv_caches(config, num_blocks=3, block_size=2, dtype=torch.float32)
-    allocated = sum(t.numel() * t.element_size() for t in caches.tensors())
-    per_type = bytes_per_token(config, torch.float32)
-    per_token = sum(per_type[t] for t in config.layer_types)
-    assert allocated == (3 * 2 + 1) * per_token  # one write-sink row per tensor
-
-
-def _per_token(config: DeepseekV4Config, dtype: torch.dtype) -> int:
-    per_type = bytes_per_token(config, dtype)
-    return sum(per_type[t] for t in config.layer_types)
-
-
-def test_the_budget_sets_the_number_of_blocks() -> None:
-    config = DeepseekV4Config.tiny()
-    per_token = _per_token(config, torch.float32)
-    budget = 100 * 8 * per_token + 5  # room for 100 blocks of 8 tokens
-    plan = Capacity(max_model_len=256, max_num_seqs=16, block_size=8, kv_cache_memory=budget).plan(
-        config, torch.float32, CPU
+    caches = allocate_kv_caches(
+        config, num_blocks=3, block_size=2, num_entry_blocks=5, dtype=torch.float32
     )
-    assert plan.layout.num_blocks == 100
-    assert plan.layout.max_blocks_per_row == 32 and plan.layout.max_rows == 16
-    assert plan.to_dict()["kv_cache_bytes"] == 100 * 8 * per_token <= budget
+    allocated = sum(t.numel() * t.element_size() for t in caches.tensors())
+    sizes = [cache_bytes(config, torch.float32)[t] for t in config.layer_types]
+    per_token = sum(s.per_token for s in sizes)
+    per_entry = sum(s.per_entry for s in sizes)
+    # one write-sink row per tensor in each pool
+    assert allocated == (3 * 2 + 1) * per_token + (5 * 2 + 1) * per_entry
+
+
+def _block_bytes(config: DeepseekV4Config, block_size: int) -> tuple[int, int]:
+    sizes = [cache_bytes(config, torch.float32)[t] for t in config.layer_types]
+    per_token = sum(s.per_token for s in sizes)
+    per_entry = sum(s.per_entry for s in sizes)
+    return block_size * per_token, block_size * per_entry
+
+
+def test_a_request_holds_its_lookback_of_blocks_and_all_its_entries() -> None:
+    config = DeepseekV4Config.tiny()  # lookback 16, entry rate 4
+    assert (lookback(config), entry_rate(config)) == (16, 4)
+    plan = Capacity(max_model_len=1024, max_num_seqs=16, block_size=8, kv_cache_memory=2**30).plan(
+        config, torch.float32, CPU, chunk=32
+    )
+    # blocks: ceil((16 - 1 + 32) / 8) + 1 = 7 per request; entries: 1024 // 4 = 256 -> 32 blocks
+    assert plan.layout.num_blocks == 16 * 7
+    assert plan.layout.num_entry_blocks == 16 * 32
+    assert plan.layout.max_blocks_per_row == 128 and plan.layout.max_rows == 16
+    block, entry = _block_bytes(config, 8)
+    assert plan.kv_cache_bytes == 16 * 7 * block + 16 * 32 * entry
     assert plan.note is None
 
 
-def test_blocks_never_exceed_what_every_sequence_at_full_length_needs() -> None:
+def test_a_smaller_budget_shrinks_both_pools_in_proportion() -> None:
     config = DeepseekV4Config.tiny()
-    plan = Capacity(max_model_len=100, max_num_seqs=3, block_size=16, kv_cache_memory=2**30).plan(
-        config, torch.float32, CPU
+    block, entry = _block_bytes(config, 8)
+    per_request = 7 * block + 32 * entry
+    budget = 4 * per_request + 100  # four of the sixteen requests at their longest
+    plan = Capacity(max_model_len=1024, max_num_seqs=16, block_size=8, kv_cache_memory=budget).plan(
+        config, torch.float32, CPU, chunk=32
     )
-    assert plan.layout.max_blocks_per_row == 7  # ceil(100 / 16)
-    assert plan.layout.num_blocks == 3 * 7
+    assert (plan.layout.num_blocks, plan.layout.num_entry_blocks) == (4 * 7, 4 * 32)
+    assert plan.kv_cache_bytes <= budget
 
 
 def test_the_default_max_model_len_is_capped_by_the_budget_with_a_note() -> None:
     config = DeepseekV4Config.tiny()
-    per_token = _per_token(config, torch.float32)
-    plan = Capacity(block_size=16, kv_cache_memory=20 * 16 * per_token).plan(
-        config, torch.float32, CPU
+    block, entry = _block_bytes(config, 16)
+    # 3 blocks (lookback 16 + chunk 16) and 5 entry blocks hold 320 tokens: 320 // 4 = 80 entries
+    plan = Capacity(block_size=16, kv_cache_memory=3 * block + 5 * entry).plan(
+        config, torch.float32, CPU, chunk=16
     )
     assert plan.max_model_len == 320 < config.max_position_embeddings
     assert plan.note is not None and "capped to 320 tokens" in plan.note
-    uncapped = Capacity(block_size=16, kv_cache_memory=2**30).plan(config, torch.float32, CPU)
+    uncapped = Capacity(block_size=16, kv_cache_memory=2**30).plan(
+        config, torch.float32, CPU, chunk=16
+    )
     assert uncapped.max_model_len == config.max_position_embeddings and uncapped.note is None
 
 
@@ -86,7 +103,7 @@ def test_the_default_max_model_len_is_capped_by_the_budget_with_a_note() -> None
             {"max_model_len": 2048},
             "max_model_len 2048 exceeds the model's max_position_embeddings 1024",
         ),
-        ({"max_model_len": 512, "kv_cache_memory": 2**16}, "needs 0.8 MiB of KV cache"),
+        ({"max_model_len": 1024, "kv_cache_memory": 2**16}, "needs 0.2 MiB of KV cache"),
         ({"kv_cache_memory": 100}, "holds no block of 16 tokens"),
     ],
 )
@@ -94,7 +111,7 @@ def test_what_cannot_be_served_is_refused_in_one_line(
     capacity: dict[str, int], message: str
 ) -> None:
     with pytest.raises(CapacityError, match=message) as refused:
-        Capacity(**capacity).plan(DeepseekV4Config.tiny(), torch.float32, CPU)
+        Capacity(**capacity).plan(DeepseekV4Config.tiny(), torch.float32, CPU, chunk=64)
     assert "\n" not in str(refused.value)
 
 

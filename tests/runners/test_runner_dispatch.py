@@ -170,6 +170,9 @@ def test_the_runner_owns_its_caches_region_and_limits() -> None:
         block_size=4,
         max_blocks_per_row=8,
         vocab_size=runner.model.config.vocab_size,
+        num_entry_blocks=48,
+        entry_rate=4,  # the CSA layer's rate
+        lookback=16,  # the HCA layer's pooling span (rate 16); CSA spans 8, the window 8
     )
 
 
