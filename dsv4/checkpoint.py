@@ -6,17 +6,21 @@ official DeepSeek names (``layers.0.attn.wq_a.weight``, per-expert ``ffn.experts
 sub-names under a ``model.`` prefix); all are mapped to one canonical (Hugging Face) name.
 Multi-token-prediction tensors (``mtp.*``) are skipped, as the reference does.
 
-Loading is strict: a missing, unexpected or mis-shaped tensor or an unreadable file raises
-``CheckpointError`` naming the tensor and file; the model is only returned when every parameter
-and persistent buffer was filled. The published quantized layout (``config.json`` with a
-``quantization_config``: FP8 block linears, MXFP4 or FP8 experts) is read by
-``dsv4.quantized_loading`` (weight-only or dequantized, ``quantization=``); quantized bytes or
-scales in a checkpoint without that config are refused. Values are checked
-too, since a bad one would otherwise surface as garbage tokens (NaN weights decode to token 0) or
-as an indexing failure deep inside a graph capture: ``TensorValueError`` names the tensor, the
-file, the first bad value and what was expected when a floating tensor holds NaN or inf once in
-the model's dtype (one ``isfinite`` pass per tensor), or a hash-routing table ``tid2eid`` holds an
-expert id outside ``0 .. n_routed_experts-1``.
+Loading is strict: a missing, unexpected or mis-shaped tensor or an unreadable file (a truncated
+one named as truncated) raises ``CheckpointError`` naming the tensor and file; the model is only
+returned when every parameter and persistent buffer was filled. The published quantized layout
+(``config.json`` with a ``quantization_config``: FP8 block linears, MXFP4 or FP8 experts) is read
+by ``dsv4.quantized_loading`` (weight-only or dequantized, ``quantization=``); quantized bytes or
+scales in a checkpoint without that config are refused. Values are checked too, since a bad one
+would otherwise surface as garbage tokens (NaN weights decode to token 0) or as an indexing
+failure deep inside a graph capture: ``TensorValueError`` names the tensor, the file, the first
+bad value and what was expected when a floating tensor holds NaN or inf once in the model's
+dtype, or a hash-routing table ``tid2eid`` holds an expert id outside ``0 .. n_routed_experts-1``.
+
+Memory: the model is built uninitialised in its final dtypes and filled in place; tensors are
+read lazily from the memory-mapped shards (``dsv4.shard_reader``) in blocks of ``chunk_budget``
+bytes, each block cast by its copy into the parameter and checked finite there, so a load's peak
+is the model plus a few blocks (the error path alone reads a whole tensor, to report it).
 """
 
 from __future__ import annotations
@@ -24,19 +28,28 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dsv4.config import DeepseekV4Config
+from dsv4.dtypes import dtype_name
 from dsv4.errors import CheckpointError
 from dsv4.hf_config import load_config, save_config
+from dsv4.load_progress import LoadTally, ProgressOption
 from dsv4.model import DeepseekV4ForCausalLM
+from dsv4.shard_reader import Entry, ShardReader, Stored, element_bits, index_chunks
 from dsv4.weights import randomize_
 
-__all__ = ["TensorValueError", "canonical_name", "load_checkpoint", "save_random_checkpoint"]
+__all__ = [
+    "TensorValueError",
+    "canonical_name",
+    "chunk_budget",
+    "load_checkpoint",
+    "save_random_checkpoint",
+]
 
 _RENAMES = tuple(
     (re.compile(pattern), replacement)
@@ -77,6 +90,12 @@ _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 _INT_DTYPES = {"I16", "I32", "I64", "U16", "U32"}
 _HASH_TABLE = ".mlp.gate.tid2eid"
 """Canonical-name suffix of a hash layer's token-to-expert table."""
+_CHUNK_FRACTION = 128
+_MIN_CHUNK = 2**20
+_MAX_CHUNK = 64 * 2**20
+_DEQUANTIZE_BYTES = 16
+"""Bytes of temporaries per value a block of dequantization holds (codes unpacked to float32,
+their scales, the float32 product), so such a block stays within the chunk budget."""
 
 
 class TensorValueError(CheckpointError):
@@ -122,148 +141,133 @@ def _shards(directory: Path) -> list[Path]:
     return [directory / name for name in names]
 
 
-def _tensors(directory: Path) -> list[tuple[Path, str]]:
-    files = _shards(directory)
-    entries: list[tuple[Path, str]] = []
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                entries.extend((path, key) for key in handle.keys())  # noqa: SIM118
-        except Exception as exc:
-            raise CheckpointError(f"cannot read {path.name}: {exc}".splitlines()[0]) from None
-    return entries
+def chunk_budget(model_bytes: int) -> int:
+    """Bytes one step of a load may hold besides the model: ``model_bytes / 128``, between
+    1 MiB and 64 MiB (bounds the blocks read and converted and the mapped file pages)."""
+    return min(max(model_bytes // _CHUNK_FRACTION, _MIN_CHUNK), _MAX_CHUNK)
 
 
-def _read(path: Path, key: str, expected: torch.Tensor) -> torch.Tensor:
-    """Read one tensor in the model's dtype, checking its dtype and shape against the model's
-    and that every value is finite there (a NaN, an inf, or an overflow of the cast)."""
-    with safe_open(str(path), framework="pt") as handle:
-        piece = handle.get_slice(key)
-        dtype, shape = piece.get_dtype(), tuple(piece.get_shape())
-        allowed = _FLOAT_DTYPES if expected.is_floating_point() else _INT_DTYPES
-        if dtype not in allowed:
-            quantized = dtype.startswith(("F8", "F4", "F6", "U8", "I8"))
-            why = " (quantized, but config.json has no quantization_config)" if quantized else ""
-            raise CheckpointError(
-                f"tensor {key!r} in {path.name} is {dtype}{why}; expected one of {sorted(allowed)}"
-            )
-        if shape != tuple(expected.shape):
-            raise CheckpointError(
-                f"tensor {key!r} in {path.name} has shape {list(shape)}, "
-                f"expected {list(expected.shape)}"
-            )
-        stored = handle.get_tensor(key)
-    value = stored.to(expected.dtype)
-    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-        bad = ~torch.isfinite(value)
-        first = bad.nonzero()[0].tolist()
-        count = f"{int(bad.sum())} of {value.numel()}"
-        was = stored[tuple(first)].item()
-        if math.isfinite(was):
-            dtype_name = str(value.dtype).removeprefix("torch.")
-            reason = (
-                f"has values that overflow {dtype_name}: {count}, the first {was:g} at index "
-                f"{first}; load it in float32 or bfloat16"
-            )
-        else:
-            reason = (
-                f"has non-finite values (NaN or inf): {count}, the first {was} at index {first}; "
-                "the weights are corrupt"
-            )
-        raise TensorValueError(key, path.name, reason)
-    return value
+def _check_header(entry: Entry, expected: torch.Tensor) -> None:
+    """The stored dtype must suit the model's (floating for floating, integer for integer) and
+    the stored shape must be the model's."""
+    key, file = entry.stored.key, entry.stored.path.name
+    allowed = _FLOAT_DTYPES if expected.is_floating_point() else _INT_DTYPES
+    if entry.dtype not in allowed:
+        quantized = entry.dtype.startswith(("F8", "F4", "F6", "U8", "I8"))
+        why = " (quantized, but config.json has no quantization_config)" if quantized else ""
+        raise CheckpointError(
+            f"tensor {key!r} in {file} is {entry.dtype}{why}; expected one of {sorted(allowed)}"
+        )
+    if entry.shape != tuple(expected.shape):
+        raise CheckpointError(
+            f"tensor {key!r} in {file} has shape {list(entry.shape)}, "
+            f"expected {list(expected.shape)}"
+        )
 
 
-def _check_expert_ids(table: torch.Tensor, path: Path, key: str, num_experts: int) -> None:
+def _fill(reader: ShardReader, entry: Entry, target: torch.Tensor, budget: int) -> None:
+    """Copy ``entry`` into ``target`` (a parameter or a slice of one) in blocks of at most
+    ``budget`` bytes, each cast by the copy and checked finite in ``target``'s dtype."""
+    _check_header(entry, target)
+    element = max(element_bits(entry.dtype) / 8, target.element_size())
+    for index in index_chunks(entry.shape, element, budget):
+        part = target[index]
+        part.copy_(reader.read(entry.stored, index))
+        if part.is_floating_point() and not bool(torch.isfinite(part).all()):
+            raise _value_error(reader.read(entry.stored), entry.stored, target.dtype)
+
+
+def _value_error(stored: torch.Tensor, where: Stored, dtype: torch.dtype) -> TensorValueError:
+    """What is wrong with ``stored``, a tensor holding NaN or inf once cast to ``dtype``."""
+    value = stored.to(dtype)
+    bad = ~torch.isfinite(value)
+    first = bad.nonzero()[0].tolist()
+    count = f"{int(bad.sum())} of {value.numel()}"
+    was = stored[tuple(first)].item()
+    if math.isfinite(was):
+        reason = (
+            f"has values that overflow {dtype_name(dtype)}: {count}, the first {was:g} at index "
+            f"{first}; load it in float32 or bfloat16"
+        )
+    else:
+        reason = (
+            f"has non-finite values (NaN or inf): {count}, the first {was} at index {first}; "
+            "the weights are corrupt"
+        )
+    return TensorValueError(where.key, where.path.name, reason)
+
+
+def _check_expert_ids(table: torch.Tensor, where: Stored, num_experts: int) -> None:
     """Every entry of a hash-routing table must name one of the ``num_experts`` experts."""
     bad = (table < 0) | (table >= num_experts)
     if bool(bad.any()):
         first = bad.nonzero()[0].tolist()
         raise TensorValueError(
-            key,
-            path.name,
+            where.key,
+            where.path.name,
             f"holds expert id {int(table[tuple(first)])} at index {first} (token {first[0]}); "
             f"expert ids must be in 0..{num_experts - 1} (n_routed_experts={num_experts})",
         )
 
 
-def _merge_experts(
+Fills = dict[str, list[tuple[torch.Tensor, Entry]]]
+"""Model tensor name -> the stored tensors filling it, each with the view it fills."""
+
+
+def _expert_fills(
     directory: Path,
-    pieces: dict[str, dict[tuple[int, str], tuple[Path, str]]],
+    pieces: dict[str, dict[tuple[int, str], Entry]],
     targets: dict[str, torch.Tensor],
     num_experts: int,
-) -> dict[str, tuple[Path, str] | torch.Tensor]:
-    """Stack official per-expert ``w1``/``w3`` (gate, up) and ``w2`` (down) into the HF layout."""
-    merged: dict[str, tuple[Path, str] | torch.Tensor] = {}
+) -> Fills:
+    """Official per-expert ``w1``/``w3`` (gate, up) and ``w2`` (down) pieces, each filling its
+    slice of the HF stacks ``gate_up_proj`` (``w1`` rows then ``w3`` rows) and ``down_proj``."""
+    fills: Fills = {}
     for prefix, found in pieces.items():
         gate_up, down = f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
-        if gate_up not in targets:
-            path, key = next(iter(found.values()))
-            raise CheckpointError(f"unexpected tensor {key!r} in {path.name}")
-        half = targets[gate_up].shape[1] // 2
-        rows = []
+        extra = [entry for (e, _), entry in found.items() if e >= num_experts]
+        if gate_up not in targets or extra:
+            stored = (extra or list(found.values()))[0].stored
+            raise CheckpointError(f"unexpected tensor {stored.key!r} in {stored.path.name}")
         for e in range(num_experts):
             for w in ("w1", "w2", "w3"):
                 if (e, w) not in found:
                     raise CheckpointError(
                         f"checkpoint {directory} is missing tensor '{prefix}.{e}.{w}.weight'"
                     )
-            w1, w3, w2 = (
-                _read(*found[(e, w)], targets[gate_up][e, :half] if w != "w2" else targets[down][e])
-                for w in ("w1", "w3", "w2")
-            )
-            rows.append((torch.cat((w1, w3)), w2))
-        merged[gate_up] = torch.stack([r[0] for r in rows])
-        merged[down] = torch.stack([r[1] for r in rows])
-    return merged
+        half = targets[gate_up].shape[1] // 2
+        fills[gate_up] = [
+            (targets[gate_up][e, rows], found[(e, w)])
+            for e in range(num_experts)
+            for w, rows in (("w1", slice(None, half)), ("w3", slice(half, None)))
+        ]
+        fills[down] = [(targets[down][e], found[(e, "w2")]) for e in range(num_experts)]
+    return fills
 
 
-def load_checkpoint(
-    directory: str | Path,
-    *,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    quantization: str = "auto",
-) -> DeepseekV4ForCausalLM:
-    """Build the model described by ``directory/config.json`` and fill it from its safetensors.
-
-    ``dtype`` is the compute dtype (``dsv4.dtypes``: the fp32-kept parameters stay float32).
-    The parameters are allocated once, uninitialised, in their final dtypes, and each tensor is
-    converted once, from the file straight into its parameter's dtype (never through a float32
-    copy of the model).
-
-    ``quantization`` (``auto``, ``weight-only``, ``dequantize``) is how a quantized checkpoint
-    loads (``dsv4.quantized_loading``; ``auto`` is weight-only); a plain one ignores it."""
-    from dsv4.quantized_loading import load_quantized, plan_quantized  # it imports this module
-
-    directory = Path(directory)
-    config = load_config(directory)
-    model = DeepseekV4ForCausalLM(config, device=device, dtype=dtype, initialize=False)
-    targets = dict(model.state_dict(keep_vars=True))
-    if config.tie_word_embeddings:
-        targets.pop("lm_head.weight")
-    sources: dict[str, tuple[Path, str] | torch.Tensor] = {}
-    pieces: dict[str, dict[tuple[int, str], tuple[Path, str]]] = {}
-    entries = _tensors(directory)
-    plan = plan_quantized(
-        directory,
-        entries,
-        targets,
-        mode=quantization,
-        num_experts=config.n_routed_experts,
-        tied=config.tie_word_embeddings,
-    )
-    claimed = plan.claimed if plan is not None else frozenset()
-    for path, key in entries:
+def _plain_fills(
+    directory: Path,
+    entries: Iterable[Entry],
+    targets: dict[str, torch.Tensor],
+    config: DeepseekV4Config,
+    claimed: frozenset[str],
+    provided: frozenset[str],
+) -> Fills:
+    """What fills each model tensor the quantized loader does not (it reads the ``claimed``
+    keys and fills the ``provided`` tensors); raises for an unexpected tensor, a scale without a
+    quantization config, or a missing tensor."""
+    fills: Fills = {}
+    pieces: dict[str, dict[tuple[int, str], Entry]] = {}
+    for entry in entries:
+        path, key = entry.stored.path, entry.stored.key
         if _SKIPPED.search(key) or key in claimed:
             continue
         name = canonical_name(key)
         piece = _EXPERT_PIECE.match(name)
         if piece is not None:
-            found = pieces.setdefault(piece["prefix"], {})
-            found[(int(piece["expert"]), piece["w"])] = (path, key)
+            pieces.setdefault(piece["prefix"], {})[(int(piece["expert"]), piece["w"])] = entry
         elif name in targets:
-            sources[name] = (path, key)
+            fills[name] = [(targets[name], entry)]
         elif name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         elif _QUANT_SCALE.search(key):
@@ -273,25 +277,76 @@ def load_checkpoint(
             )
         else:
             raise CheckpointError(f"unexpected tensor {key!r} in {path.name}")
-    sources.update(_merge_experts(directory, pieces, targets, config.n_routed_experts))
-    provided = plan.provides if plan is not None else frozenset()
-    missing = [name for name in targets if name not in sources and name not in provided]
+    fills.update(_expert_fills(directory, pieces, targets, config.n_routed_experts))
+    missing = [name for name in targets if name not in fills and name not in provided]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"checkpoint {directory} is missing tensor {missing[0]!r}{more}")
-    with torch.no_grad():
-        filled = load_quantized(model, plan, targets) if plan is not None else set()
-        for name, target in targets.items():
-            if name in filled:
-                continue
-            source = sources[name]
-            if isinstance(source, torch.Tensor):
-                target.copy_(source)
-                continue
-            value = _read(*source, target)
-            if name.endswith(_HASH_TABLE):
-                _check_expert_ids(value, *source, config.n_routed_experts)
-            target.copy_(value)
+    return fills
+
+
+def load_checkpoint(
+    directory: str | Path,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    quantization: str = "auto",
+    progress: ProgressOption = "terminal",
+) -> DeepseekV4ForCausalLM:
+    """Build the model described by ``directory/config.json`` and fill it from its safetensors.
+
+    ``dtype`` is the compute dtype (``dsv4.dtypes``: the fp32-kept parameters stay float32).
+    The parameters are allocated once, uninitialised, in their final dtypes; each stored tensor
+    is read from the memory-mapped file in blocks (``chunk_budget`` of the model's bytes), each
+    block cast by its copy into the parameter and checked there, so besides the model a load
+    holds about one block and the file pages of a few (never a float32 copy of the model, nor a
+    whole converted tensor).
+
+    ``quantization`` (``auto``, ``weight-only``, ``dequantize``) is how a quantized checkpoint
+    loads (``dsv4.quantized_loading``; ``auto`` is weight-only); a plain one ignores it.
+    ``progress`` receives ``dsv4.load_progress.LoadProgress`` reports: ``"terminal"`` (the
+    default) draws a bar on stderr when stderr is a terminal and nothing otherwise, ``None``
+    reports nothing."""
+    from dsv4.quantized_loading import load_quantized, plan_quantized  # it imports this module
+
+    directory = Path(directory)
+    config = load_config(directory)
+    model = DeepseekV4ForCausalLM(config, device=device, dtype=dtype, initialize=False)
+    targets = dict(model.state_dict(keep_vars=True))
+    if config.tie_word_embeddings:
+        targets.pop("lm_head.weight")
+    budget = chunk_budget(sum(t.numel() * t.element_size() for t in targets.values()))
+    with ShardReader(_shards(directory), budget=budget) as reader:
+        entries = list(reader.entries.values())
+        plan = plan_quantized(
+            directory,
+            entries,
+            targets,
+            mode=quantization,
+            num_experts=config.n_routed_experts,
+            tied=config.tie_word_embeddings,
+        )
+        claimed, provided = (plan.claimed, plan.provides) if plan else (frozenset(), frozenset())
+        fills = _plain_fills(directory, entries, targets, config, claimed, provided)
+        read = [entry.stored for pieces in fills.values() for _, entry in pieces]
+        read += plan.stored if plan is not None else []
+        tally = LoadTally({s: reader.entries[s].nbytes for s in read}, progress)
+        try:
+            with torch.no_grad():
+                filled: set[str] = set()
+                if plan is not None:
+                    values = max(1, budget // _DEQUANTIZE_BYTES)
+                    filled = load_quantized(model, plan, targets, reader, tally, max_values=values)
+                for name, target in targets.items():
+                    if name in filled:
+                        continue
+                    for view, entry in fills[name]:
+                        _fill(reader, entry, view, budget)
+                        tally.done(entry.stored)
+                    if name.endswith(_HASH_TABLE):
+                        _check_expert_ids(target, fills[name][0][1].stored, config.n_routed_experts)
+        finally:
+            tally.finish()
     return model
 
 

@@ -7,17 +7,26 @@ reply), in ``config.json``, in ``generation_config.json`` or in both.
 Invariants:
 - ``stop_token_ids`` returns ``config.json``'s ids first, in their order, then those of
   ``generation_config.json`` not already listed; no id twice. Generation stops at any of them.
-- Every id is an int in ``[0, vocab_size)``; anything else (a string, a negative or too large id,
-  a file that does not parse) is a ``GenerationConfigError`` whose one-line message names the
-  file.
+- Every id is an int; anything else (a string, a bool, a file that does not parse) is a
+  ``GenerationConfigError`` whose one-line message names the file.
+- An id outside ``[0, vocab_size)`` (negative or too large) is accepted with one
+  ``OutOfVocabularyEosWarning`` naming the file, as transformers accepts it, and dropped: no
+  token has it, so it could never stop a request.
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
-__all__ = ["GENERATION_CONFIG_FILE", "GenerationConfigError", "eos_ids", "stop_token_ids"]
+__all__ = [
+    "GENERATION_CONFIG_FILE",
+    "GenerationConfigError",
+    "OutOfVocabularyEosWarning",
+    "eos_ids",
+    "stop_token_ids",
+]
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 
@@ -26,8 +35,13 @@ class GenerationConfigError(ValueError):
     """An ``eos_token_id`` that is not a token id, or a generation config that does not parse."""
 
 
+class OutOfVocabularyEosWarning(UserWarning):
+    """An ``eos_token_id`` no token of the vocabulary has: it never stops a request."""
+
+
 def eos_ids(value: object, *, source: str, vocab_size: int) -> tuple[int, ...]:
-    """``value`` (None, an id, or a list or tuple of ids) as a tuple of ids in the vocabulary."""
+    """``value`` (None, an id, or a list or tuple of ids) as a tuple of its ids in the
+    vocabulary (those outside it are dropped with a warning)."""
     if value is None:
         return ()
     items = list(value) if isinstance(value, list | tuple) else [value]
@@ -38,9 +52,14 @@ def eos_ids(value: object, *, source: str, vocab_size: int) -> tuple[int, ...]:
                 f"{source}: eos_token_id must be a token id or a list of them, got {value!r}"
             )
         if not 0 <= item < vocab_size:
-            raise GenerationConfigError(
-                f"{source}: eos_token_id {item} is outside the vocabulary [0, {vocab_size})"
+            warnings.warn(
+                OutOfVocabularyEosWarning(
+                    f"{source}: eos_token_id {item} is outside the vocabulary [0, {vocab_size}) "
+                    "and never stops a request (transformers accepts it too)"
+                ),
+                stacklevel=2,
             )
+            continue
         ids.append(item)
     return tuple(ids)
 

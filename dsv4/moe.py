@@ -109,10 +109,14 @@ class Experts(ExpertFormulations):
     ) -> None:
         super().__init__()
         self.limit = limit
+        # torch.empty touches no memory: a model built for loading (parameters on meta, see
+        # dsv4.materialize) never holds a float32 copy of the experts; zeroed in place here
         self.gate_up_proj = nn.Parameter(
-            torch.zeros(num_experts, 2 * intermediate_size, hidden_size)
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size)
         )
-        self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden_size, intermediate_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        nn.init.zeros_(self.gate_up_proj)
+        nn.init.zeros_(self.down_proj)
 
     def _num_experts(self) -> int:
         return self.gate_up_proj.shape[0]

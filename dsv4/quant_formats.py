@@ -28,8 +28,9 @@ live with the writer, ``dsv4.quantized_writer``.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import attrs
 import torch
@@ -312,6 +313,24 @@ class QuantizedTensor:
         data = torch.stack([item.data for item in items])
         scale = torch.stack([item.scale for item in items])
         return cls(first.format, data, scale, first.block_size)
+
+    def chunks(self, max_values: int) -> Iterator[tuple[tuple[int | slice, ...], QuantizedTensor]]:
+        """Blocks of rows in order, as ``(index, part)``: ``part`` holds the bytes and scales of
+        the values ``index`` selects (an integer per leading dimension, then a slice of rows).
+        A part has at most ``max_values`` values where one row of scales allows: FP8 parts are
+        whole blocks of rows (all but the last), so each part's scales are its own."""
+        *lead, rows, cols = self.shape
+        unit = self.block_size[0]
+        step = max(1, max_values // max(cols, 1) // unit) * unit
+        for prefix in itertools.product(*(range(n) for n in lead)):
+            for start in range(0, rows, step):
+                stop = min(start + step, rows)
+                index: tuple[int | slice, ...] = (*prefix, slice(start, stop))
+                scales: tuple[int | slice, ...] = (*prefix, slice(start // unit, -(-stop // unit)))
+                part = QuantizedTensor(
+                    self.format, self.data[index], self.scale[scales], self.block_size
+                )
+                yield index, part
 
     @property
     def shape(self) -> torch.Size:

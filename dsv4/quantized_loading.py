@@ -11,42 +11,44 @@
    for a scale without its weight, a quantized tensor the model has no place for, routed
    experts mixing quantized and plain pieces, or a missing expert piece.
 2. ``load_quantized`` (after the plain reader's checks): reads each weight with its scale
-   (which may sit in another shard; one handle per file, each tensor read once), decodes and
-   validates the pair (``decode_weight``: scale grid, missing scale, format vs
-   ``expert_dtype``), checks its shape against the model's and its values
-   (``dsv4.quantized_values``: NaN codes, non-finite scales, overflow of the compute dtype),
-   then by mode:
-   - ``weight-only``: installs ``dsv4.quant_layers`` modules holding the bytes, computing in
-     the replaced parameter's dtype; a quantized tensor of any other module (never the case
-     in the published layout) is dequantized into its parameter instead;
-   - ``dequantize``: dequantizes into the parameter (float32 product, one cast; routed
-     experts piece by piece into their slice of the stack, so one piece is transient).
+   (which may sit in another shard) through the load's ``ShardReader``, decodes and validates
+   the pair (``decode_weight``: scale grid, missing scale, format vs ``expert_dtype``), checks
+   its shape against the model's and its values (``dsv4.quantized_values``: NaN codes,
+   non-finite scales, overflow of the compute dtype), then by mode:
+   - ``weight-only``: copies the bytes and scales out of the mapped file into memory of their
+     own, block by block (an expert piece straight into its slot of a stack allocated once per
+     layer), and installs ``dsv4.quant_layers`` modules holding them, computing in the replaced
+     parameter's dtype; a quantized tensor of any other module (never the case in the
+     published layout) is dequantized into its parameter instead;
+   - ``dequantize``: dequantizes into the parameter block by block (``dequantize_into``: the
+     float32 product of a block of rows, cast once by the copy; routed experts piece by piece
+     into their slice of the stack).
    It returns the names it filled; ``load_checkpoint`` fills the others.
 
 Invariants: every failure is a ``CheckpointError`` (``QuantizationError`` for the layout,
 ``TensorValueError`` for values) on one line naming the tensor as the file names it and the
-file; ``load_checkpoint`` returns a model only when every tensor was filled. ``mtp.*`` is
-skipped. ``auto`` is ``weight-only`` for a quantized checkpoint.
+file; ``load_checkpoint`` returns a model only when every tensor was filled. No temporary is
+larger than a block of ``max_values`` values (or one tensor's quantized bytes, mapped);
+``mtp.*`` is skipped. ``auto`` is ``weight-only`` for a quantized checkpoint.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
 import attrs
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from dsv4.checkpoint import canonical_name
 from dsv4.errors import CheckpointError
 from dsv4.hf_config import CONFIG_FILE
 from dsv4.layers import GroupedLinear
+from dsv4.load_progress import LoadTally
 from dsv4.quant_formats import QuantizedTensor
 from dsv4.quantization import (
     EXPERT_PIECE,
@@ -58,9 +60,9 @@ from dsv4.quantization import (
     decode_weight,
     install_weight_only,
     pair_scales,
-    stack_expert_pieces,
 )
-from dsv4.quantized_values import Pair, Stored, check_values, dequantized
+from dsv4.quantized_values import Pair, check_values, dequantize_into
+from dsv4.shard_reader import Entry, ShardReader, Stored
 
 __all__ = ["LOAD_MODES", "QuantizedPlan", "Stored", "load_quantized", "plan_quantized"]
 
@@ -70,6 +72,8 @@ _SKIPPED = re.compile(r"(^|\.)mtp\.")
 _QUANTIZED_DTYPES = ("F8", "F6", "F4", "I8", "U8")
 """Safetensors dtype prefixes of quantized bytes."""
 _PIECE_SLOTS = ("w1", "w3", "w2")
+_STACK_PARTS = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
+"""Each expert stack's parts, in row order: ``gate_up_proj`` is ``w1`` rows then ``w3`` rows."""
 
 
 @attrs.frozen(kw_only=True)
@@ -87,8 +91,14 @@ class QuantizedPlan:
 
     @property
     def provides(self) -> frozenset[str]:
-        stacks = (f"{p}.{s}" for p in self.experts for s in ("gate_up_proj", "down_proj"))
+        stacks = (f"{p}.{s}" for p in self.experts for s in _STACK_PARTS)
         return frozenset((*self.weights, *stacks))
+
+    @property
+    def stored(self) -> list[Stored]:
+        """Every weight and scale the plan reads."""
+        pairs = [*self.weights.values(), *(p for f in self.experts.values() for p in f.values())]
+        return [s for pair in pairs for s in pair if s is not None]
 
 
 def _raw_config(directory: Path) -> Any:
@@ -98,21 +108,9 @@ def _raw_config(directory: Path) -> Any:
         raise CheckpointError(f"cannot read {directory / CONFIG_FILE}: {exc}") from None
 
 
-def _header_dtypes(where: Mapping[str, Path]) -> dict[str, str]:
-    """Each key's safetensors dtype (``F8_E4M3`` ...), from the headers only."""
-    dtypes: dict[str, str] = {}
-    by_file: dict[Path, list[str]] = {}
-    for key, path in where.items():
-        by_file.setdefault(path, []).append(key)
-    for path, keys in by_file.items():
-        with safe_open(str(path), framework="pt") as handle:
-            dtypes.update((key, handle.get_slice(key).get_dtype()) for key in keys)
-    return dtypes
-
-
 def plan_quantized(
     directory: Path,
-    entries: Iterable[tuple[Path, str]],
+    entries: Iterable[Entry],
     targets: Mapping[str, torch.Tensor],
     *,
     mode: str,
@@ -120,14 +118,16 @@ def plan_quantized(
     tied: bool,
 ) -> QuantizedPlan | None:
     """The plan for a quantized checkpoint, ``None`` for a plain one (see the module
-    docstring); ``mode`` is one of ``LOAD_MODES``."""
+    docstring); ``entries`` are the checkpoint's stored tensors, ``mode`` one of
+    ``LOAD_MODES``."""
     if mode not in LOAD_MODES:
         raise CheckpointError(f"quantization {mode!r} is not one of {', '.join(LOAD_MODES)}")
     config = QuantizationConfig.from_hf_config(_raw_config(directory))
     if config is None:
         return None
-    where = {key: path for path, key in entries if not _SKIPPED.search(key)}
-    dtypes = _header_dtypes(where)
+    kept = [e for e in entries if not _SKIPPED.search(e.stored.key)]
+    where = {e.stored.key: e.stored.path for e in kept}
+    dtypes = {e.stored.key: e.dtype for e in kept}
     scales = pair_scales(where)
     scale_keys = set(scales.values())
     weights: dict[str, Pair] = {}
@@ -206,48 +206,114 @@ def _check_pieces(
 
 
 def load_quantized(
-    model: nn.Module, plan: QuantizedPlan, targets: Mapping[str, torch.Tensor]
+    model: nn.Module,
+    plan: QuantizedPlan,
+    targets: Mapping[str, torch.Tensor],
+    reader: ShardReader,
+    tally: LoadTally,
+    *,
+    max_values: int,
 ) -> set[str]:
-    """Fill (or, weight-only, replace) every tensor ``plan`` provides; return their names."""
+    """Fill (or, weight-only, replace) every tensor ``plan`` provides, reading through
+    ``reader`` in blocks of at most ``max_values`` values and reporting each stored tensor to
+    ``tally``; return the names filled."""
     weight_only = plan.mode == "weight-only"
     resident: dict[torch.dtype, dict[str, QuantizedTensor]] = {}
-    with contextlib.ExitStack() as files:
-        handles: dict[Path, Any] = {}
-
-        def read(stored: Stored) -> torch.Tensor:
-            if stored.path not in handles:
-                opened = safe_open(str(stored.path), framework="pt")
-                handles[stored.path] = files.enter_context(opened)
-            return handles[stored.path].get_tensor(stored.key)
-
-        for name, pair in plan.weights.items():
-            target = targets[name]
-            qt = _decode(read, pair, plan.config, target.shape, routed=False)
-            if weight_only and _installable(model, name):
-                check_values(qt, target.dtype, pair)
-                resident.setdefault(target.dtype, {})[name] = qt
-            else:
-                target.copy_(dequantized(qt, target.dtype, pair))
-        for prefix, found in plan.experts.items():
-            gate_up, down = targets[f"{prefix}.gate_up_proj"], targets[f"{prefix}.down_proj"]
-            half = gate_up.shape[1] // 2
-            slots = {"w1": gate_up[:, :half], "w3": gate_up[:, half:], "w2": down}
-            pieces: dict[tuple[int, str], torch.Tensor | QuantizedTensor] = {}
-            for (e, w), pair in sorted(found.items()):
-                slot = slots[w][e]
-                qt = _decode(read, pair, plan.config, slot.shape, routed=True)
-                if weight_only:
-                    check_values(qt, slot.dtype, pair)
-                    pieces[(e, w)] = qt
-                else:
-                    slot.copy_(dequantized(qt, slot.dtype, pair))
+    for name, pair in plan.weights.items():
+        target = targets[name]
+        qt = _decode(reader, pair, plan.config, target.shape, routed=False)
+        if weight_only and _installable(model, name):
+            check_values(qt, target.dtype, pair, max_values=max_values)
+            resident.setdefault(target.dtype, {})[name] = _owned(qt, target.device, max_values)
+        else:
+            dequantize_into(qt, target, pair, max_values=max_values)
+        _report(tally, pair)
+    for prefix, found in plan.experts.items():
+        gate_up, down = targets[f"{prefix}.gate_up_proj"], targets[f"{prefix}.down_proj"]
+        half = gate_up.shape[1] // 2
+        slots = {"w1": gate_up[:, :half], "w3": gate_up[:, half:], "w2": down}
+        stacks = {
+            stack: _ExpertStack(f"{prefix}.{stack}", parts, plan.num_experts, gate_up.device)
+            for stack, parts in _STACK_PARTS.items()
+        }
+        for (e, w), pair in sorted(found.items()):
+            slot = slots[w][e]
+            qt = _decode(reader, pair, plan.config, slot.shape, routed=True)
             if weight_only:
-                stacks = stack_expert_pieces(prefix, pieces, plan.num_experts)
-                group = resident.setdefault(gate_up.dtype, {})
-                group.update({n: s for n, s in stacks.items() if isinstance(s, QuantizedTensor)})
+                check_values(qt, slot.dtype, pair, max_values=max_values)
+                stacks["down_proj" if w == "w2" else "gate_up_proj"].put(e, w, qt, max_values)
+            else:
+                dequantize_into(qt, slot, pair, max_values=max_values)
+            _report(tally, pair)
+        if weight_only:
+            group = resident.setdefault(gate_up.dtype, {})
+            group.update({stack.name: stack.result() for stack in stacks.values()})
     for dtype, group in resident.items():
         install_weight_only(model, group, dtype)
     return set(plan.provides)
+
+
+def _report(tally: LoadTally, pair: Pair) -> None:
+    for stored in pair:
+        if stored is not None:
+            tally.done(stored)
+
+
+def _owned(qt: QuantizedTensor, device: torch.device, max_values: int) -> QuantizedTensor:
+    """``qt`` (viewing the mapped file) copied, block by block, into memory of its own."""
+    data = torch.empty(qt.data.shape, dtype=qt.data.dtype, device=device)
+    scale = torch.empty(qt.scale.shape, dtype=qt.scale.dtype, device=device)
+    owned = QuantizedTensor(qt.format, data, scale, qt.block_size)
+    _copy_blocks(qt, owned, max_values)
+    return owned
+
+
+def _copy_blocks(source: QuantizedTensor, target: QuantizedTensor, max_values: int) -> None:
+    pairs = zip(source.chunks(max_values), target.chunks(max_values), strict=True)
+    for (_, src), (_, dst) in pairs:
+        dst.data.copy_(src.data)
+        dst.scale.copy_(src.scale)
+
+
+class _ExpertStack:
+    """One quantized expert stack (``[E, P, out, in']`` bytes and ``[E, P, ...]`` scales, the
+    layout ``QuantizedExpertStack`` takes), allocated once at its first piece and filled piece
+    by piece; every piece must match the first in format, dtypes and shapes."""
+
+    def __init__(self, name: str, parts: tuple[str, ...], num_experts: int, device: torch.device):
+        self.name = name
+        self.parts = parts
+        self.num_experts = num_experts
+        self.device = device
+        self._stack: QuantizedTensor | None = None
+
+    def put(self, expert: int, part: str, qt: QuantizedTensor, max_values: int) -> None:
+        """Copy piece ``(expert, part)`` into its slot."""
+        if self._stack is None:
+            lead = (self.num_experts, len(self.parts))
+            data = torch.empty(lead + qt.data.shape, dtype=qt.data.dtype, device=self.device)
+            scale = torch.empty(lead + qt.scale.shape, dtype=qt.scale.dtype, device=self.device)
+            self._stack = QuantizedTensor(qt.format, data, scale, qt.block_size)
+        stack = self._stack
+        if (qt.format, qt.block_size, qt.data.dtype, qt.scale.dtype) != (
+            stack.format,
+            stack.block_size,
+            stack.data.dtype,
+            stack.scale.dtype,
+        ) or (qt.data.shape, qt.scale.shape) != (stack.data.shape[2:], stack.scale.shape[2:]):
+            raise QuantizationError(
+                f"quantized tensors stacked into {self.name!r} differ in format, dtype or shape"
+            )
+        p = self.parts.index(part)
+        slot = QuantizedTensor(
+            stack.format, stack.data[expert, p], stack.scale[expert, p], stack.block_size
+        )
+        _copy_blocks(qt, slot, max_values)
+
+    def result(self) -> QuantizedTensor:
+        """The filled stack (the plan guarantees every piece was put)."""
+        assert self._stack is not None
+        return self._stack
 
 
 def _installable(model: nn.Module, name: str) -> bool:
@@ -259,18 +325,23 @@ def _installable(model: nn.Module, name: str) -> bool:
 
 
 def _decode(
-    read: Callable[[Stored], torch.Tensor],
+    reader: ShardReader,
     pair: Pair,
     config: QuantizationConfig,
     expected: torch.Size,
     *,
     routed: bool,
 ) -> QuantizedTensor:
+    """The validated pair, viewing the mapped file (nothing is read until its blocks are)."""
     weight, scale = pair
-    data = read(weight)
+    data = reader.read(weight)
     try:
         qt = decode_weight(
-            weight.key, data, None if scale is None else read(scale), config, routed_expert=routed
+            weight.key,
+            data,
+            None if scale is None else reader.read(scale),
+            config,
+            routed_expert=routed,
         )
     except QuantizationError as exc:
         raise QuantizationError(f"{exc} (in {weight.path.name})") from None

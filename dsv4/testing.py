@@ -157,9 +157,7 @@ def run_schedule(
     return [torch.cat(parts) for parts in outputs]
 
 
-def _shuffled_blocks(
-    needs: Sequence[int], rng: random.Random
-) -> tuple[list[tuple[int, ...]], int]:
+def _shuffled_blocks(needs: Sequence[int], rng: random.Random) -> tuple[list[tuple[int, ...]], int]:
     """Disjoint blocks of a shuffled pool, ``needs[i]`` for request ``i``, and the pool's size
     (one spare block, so no id is special)."""
     pool = list(range(sum(needs) + 1))

@@ -18,6 +18,7 @@ from types import ModuleType
 from typing import NoReturn
 
 import runners.cli.bench as bench
+import runners.cli.bench_load as bench_load
 import runners.cli.explain as explain
 import runners.cli.init_checkpoint as init_checkpoint
 import runners.cli.matrix as matrix
@@ -31,6 +32,7 @@ COMMANDS: dict[str, ModuleType] = {
     "explain": explain,
     "matrix": matrix,
     "bench": bench,
+    "bench-load": bench_load,
     "init-checkpoint": init_checkpoint,
 }
 
