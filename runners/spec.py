@@ -100,6 +100,8 @@ class EngineSpec:
     layout: CacheLayout | None = None
     """An explicit cache layout, instead of the one the capacity options above derive."""
     audit: AuditMode = "raise"
+    load_progress: bool = True
+    """Draw a load progress bar on stderr when stderr is a terminal."""
     quantization: str = "auto"
     """How a quantized checkpoint loads: ``auto`` (weight-only), ``weight-only`` or
     ``dequantize`` (``load_checkpoint``); a plain checkpoint and the built-in model ignore it."""
@@ -135,7 +137,12 @@ def build_model(spec: EngineSpec) -> DeepseekV4ForCausalLM:
     the compute dtype ``spec.dtype`` stands for."""
     dtype = compute_dtype_of(spec)
     if spec.checkpoint is not None:
-        return load_checkpoint(spec.checkpoint, dtype=dtype, quantization=spec.quantization)
+        return load_checkpoint(
+            spec.checkpoint,
+            dtype=dtype,
+            quantization=spec.quantization,
+            progress="terminal" if spec.load_progress else None,
+        )
     config = config_of(spec)
     model = DeepseekV4ForCausalLM(config, dtype=dtype)
     randomize_(model, spec.builtin_seed, num_experts=config.n_routed_experts)

@@ -76,6 +76,17 @@ def render_sweep(payload: dict[str, Any]) -> str:
         f"prefill: {prefill['tokens']} tokens in chunks of {prefill['chunk']}: "
         f"{prefill['seconds']:.2f}s, {prefill['tokens_per_s']:.0f} tokens/s"
     )
+    flight = payload["in_flight"]
+    measured = flight["measured"]
+    lines.append(
+        f"in flight at a {flight['budget_bytes'] / 2**20:.0f} MiB KV budget, "
+        f"{flight['requests']} requests of {flight['prompt']}+{flight['output']} tokens: "
+        f"{measured['released']['mean_running']} running per step on average with block "
+        f"release ({measured['released']['preemptions']} preemptions, "
+        f"{measured['released']['steps']} steps), {measured['kept']['mean_running']} without "
+        f"({measured['kept']['preemptions']} preemptions, {measured['kept']['steps']} steps), "
+        f"{flight['previous_rules']} under the previous rules (one pool, worst case reserved)"
+    )
     kv = payload["kv_bytes"]
     per_type = "; ".join(
         f"{name} x{kv['layers'][name]}: {sizes['per_token']} B/token"

@@ -110,7 +110,7 @@ def spec_from_args(args: argparse.Namespace) -> Any:
     }
     if args.capture_sizes is not None:
         fields["capture_sizes"] = tuple(args.capture_sizes)
-    return EngineSpec(**fields, **capacity_fields(args))
+    return EngineSpec(**fields, **capacity_fields(args), load_progress=not args.json)
 
 
 def execute(args: argparse.Namespace) -> dict[str, Any]:
@@ -196,6 +196,11 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
     }
     if engine.capacity is not None:
         payload["capacity"] = engine.capacity.to_dict()
+    stats = engine.llm.stats()
+    payload["engine"] = {
+        "preemptions": stats.preemptions,
+        "released_blocks": stats.released_blocks,
+    }
     payload["byte_level"] = byte_level
     payload["threads"] = threads
     payload["dtype"] = dtype_name(engine.runner.model.compute_dtype)

@@ -8,6 +8,12 @@
   a short request. Graphs are held for every context bucket, so every context replays a graph
   of its own bucket. Engines are timed interleaved, round-robin, as medians.
 - **Prefill throughput** of one ``prefill_tokens``-token prompt, chunked through the engine.
+- **Requests in flight at a fixed KV budget**: ``in_flight_requests`` requests of
+  ``in_flight_prompt`` + ``in_flight_output`` tokens, eager, on an engine sized by that budget:
+  the mean and most running per step, measured with block release and preemption, and with
+  release switched off (an executor that hides its lookback); against the count the previous
+  rules admitted, derived: one pool of token slots holding entries too, and a reservation of
+  each request's worst case at admission (``min(rows, blocks // blocks_per_request)``).
 - **KV cache bytes** of one layer of each type, in the model's compute dtype: per token of the
   block pool (window and compressor state, held for ``lookback`` positions) and per entry of
   the entry pool (one per ``entry_rate`` tokens, held while the request lives).
@@ -17,16 +23,19 @@ from __future__ import annotations
 
 import functools
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
+import torch
 
 from dsv4.cache import cache_bytes, entry_rate, lookback
 from dsv4.dtypes import dtype_name
 from dsv4.model import DeepseekV4ForCausalLM
+from runners.base import ModelRunner
 from runners.capacity import CapacityError
-from runners.engine import SamplingParams, ScheduledChunk
+from runners.engine import LLM, EngineLimits, SamplingParams, ScheduledChunk
+from runners.engine.scheduler import RELEASED_BLOCK
 from runners.measure.benchmark import timed
 from runners.spec import Engine, EngineSpec, build_engine, build_model
 from runners.threads import apply_threads
@@ -49,6 +58,11 @@ class SweepOptions:
     block_size: int = 16
     threads: int | None = None
     """Torch CPU threads (``None``: the default for the model's size, ``runners.threads``)."""
+    in_flight_budget: int = 4 * 2**20
+    """Small enough that memory, not the token budget, bounds the requests in flight."""
+    in_flight_requests: int = 12
+    in_flight_prompt: int = 64
+    in_flight_output: int = 448
 
 
 def run_context_sweep(
@@ -70,6 +84,8 @@ def run_context_sweep(
     latency = _decode_latency(base, model, options, progress)
     progress(f"prefill of {options.prefill_tokens} tokens")
     prefill = _prefill(base, model, options)
+    progress(f"{options.in_flight_requests} requests at a {options.in_flight_budget} B budget")
+    in_flight = _in_flight(base, model, options)
     per_type = cache_bytes(config, model.compute_dtype)
     return {
         "dtype": dtype_name(model.compute_dtype),
@@ -78,6 +94,7 @@ def run_context_sweep(
         "baseline_max_model_len": options.baseline_max_model_len,
         "decode": latency,
         "prefill": prefill,
+        "in_flight": in_flight,
         "kv_bytes": {
             "per_layer_type": {
                 name: {"per_token": sizes.per_token, "per_entry": sizes.per_entry}
@@ -105,12 +122,18 @@ def _engine(
     return build_engine(spec, model=model)
 
 
-def _decode_chunk(context: int, block_size: int) -> ScheduledChunk:
+def _decode_chunk(context: int, limits: EngineLimits) -> ScheduledChunk:
+    """The decode step of the token at ``context - 1`` of a request whose blocks before its
+    lookback were released, as the engine would hand it over."""
+    size, lookback = limits.block_size, limits.lookback or context
+    released = max(0, context - lookback) // size
+    live = -(-context // size) - released
     return ScheduledChunk(
         row=0,
-        block_ids=tuple(range(-(-context // block_size))),
+        block_ids=(RELEASED_BLOCK,) * released + tuple(range(live)),
         start_position=context - 1,
         num_tokens=1,
+        entry_block_ids=tuple(range(-(-(context // limits.entry_rate) // size))),
     )
 
 
@@ -126,9 +149,18 @@ def _decode_latency(
     runs: list[tuple[str, int, Engine, ScheduledChunk]] = []
     for name, mode in MODES.items():
         engine = _engine(base, model, mode, options.max_model_len, block)
-        runs += [(name, c, engine, _decode_chunk(c, block)) for c in options.contexts]
+        runs += [
+            (name, c, engine, _decode_chunk(c, engine.runner.limits)) for c in options.contexts
+        ]
         baseline = _engine(base, model, mode, options.baseline_max_model_len, block)
-        runs.append((f"{name}@baseline", shortest, baseline, _decode_chunk(shortest, block)))
+        runs.append(
+            (
+                f"{name}@baseline",
+                shortest,
+                baseline,
+                _decode_chunk(shortest, baseline.runner.limits),
+            )
+        )
     token = [[1]]
     for name, context, engine, chunk in runs:  # warm up (and capture each bucket's graphs)
         progress(f"warming up {name} at context {context}")
@@ -179,4 +211,69 @@ def _prefill(
         "seconds": round(seconds, 3),
         "tokens_per_s": round(options.prefill_tokens / seconds, 1),
         "kv_cache_bytes": engine.capacity.to_dict()["kv_cache_bytes"] if engine.capacity else None,
+    }
+
+
+class _WithoutRelease:
+    """A runner as an executor that hides its lookback, so the engine releases nothing."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.limits = attrs.evolve(runner.limits, lookback=None)
+
+    def execute(
+        self, chunks: Sequence[ScheduledChunk], token_ids: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        return self.runner.execute(chunks, token_ids)
+
+
+def _in_flight(
+    base: EngineSpec, model: DeepseekV4ForCausalLM, options: SweepOptions
+) -> dict[str, Any]:
+    length = options.in_flight_prompt + options.in_flight_output
+    spec = attrs.evolve(
+        base,
+        cudagraph_mode="NONE",
+        max_model_len=length,
+        max_num_seqs=options.in_flight_requests,
+        block_size=options.block_size,
+        kv_cache_memory=options.in_flight_budget,
+    )
+    engine = build_engine(spec, model=model)
+    assert engine.capacity is not None
+    vocab = min(256, model.config.vocab_size)
+    prompts = [
+        [(5 * r + 3 * i) % vocab for i in range(options.in_flight_prompt)]
+        for r in range(options.in_flight_requests)
+    ]
+    params = SamplingParams(max_tokens=options.in_flight_output)
+    measured = {}
+    for name, executor in (("released", engine.runner), ("kept", _WithoutRelease(engine.runner))):
+        llm = LLM(executor)
+        for prompt in prompts:
+            llm.add_request(prompt, params)
+        running: list[int] = []
+        while llm.has_unfinished():
+            llm.step()
+            running.append(llm.stats().running)
+        stats = llm.stats()
+        measured[name] = {
+            "mean_running": round(statistics.mean(running), 2),
+            "peak_running": max(running),
+            "steps": len(running),
+            "preemptions": stats.preemptions,
+            "released_blocks": stats.released_blocks,
+        }
+    plan = engine.capacity
+    # the previous layout kept every entry in a token slot: one pool of both blocks' bytes
+    one_pool_blocks = options.in_flight_budget // (plan.block_bytes + plan.entry_block_bytes)
+    worst_case = -(-(length - 1) // options.block_size)
+    return {
+        "budget_bytes": options.in_flight_budget,
+        "requests": options.in_flight_requests,
+        "prompt": options.in_flight_prompt,
+        "output": options.in_flight_output,
+        "layout": plan.to_dict(),
+        "measured": measured,
+        "previous_rules": min(options.in_flight_requests, one_pool_blocks // worst_case),
     }

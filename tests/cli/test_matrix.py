@@ -67,7 +67,7 @@ def test_eager_reference_follows_the_simulated_platform(
     payload = json.loads(capsys.readouterr().out)
     [reference] = payload["references"]
     assert reference["platform"] == "rocm" and reference["simulated"] is True
-    assert (reference["device"], reference["dtype"], reference["atol"]) == ("cpu", "float32", 1e-5)
+    assert (reference["device"], reference["dtype"], reference["atol"]) == ("cpu", "float32", 5e-5)
     assert len(reference["outputs"]) == 1
     assert {(c["platform"], c["simulated"]) for c in payload["cells"]} == {("rocm", True)}
     for cell in payload["cells"]:
