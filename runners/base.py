@@ -97,12 +97,15 @@ class ModelRunner(abc.ABC):
         audit: AuditMode = "raise",
         first_context_bucket: int = DEFAULT_FIRST_CONTEXT_BUCKET,
         max_graph_contexts: int = DEFAULT_MAX_GRAPH_CONTEXTS,
+        collectives_in_graph: bool = True,
     ) -> None:
         """``eager_region``: the strategy every attention layer composes its region with under
         this runner (``build_runner`` passes the resolved one). ``audit``: ``"raise"`` at an
         unstable captured read, ``"report"`` it, or ``"off"``. ``first_context_bucket``: tokens
         the smallest context bucket covers; ``max_graph_contexts``: how many context buckets
-        graphs are held for."""
+        graphs are held for; ``collectives_in_graph``: whether a tensor-parallel model's
+        collectives are captured with the graphs or run as eager breaks (the resolution's
+        ``collectives_in_graph``, handed to the model in every step's forward context)."""
         for kind, mode in (("decode", decode_mode), ("mixed", mixed_mode)):
             if not mode.is_basic:
                 raise ValueError(f"the {kind} mode must be NONE, PIECEWISE or FULL, not {mode}")
@@ -126,6 +129,7 @@ class ModelRunner(abc.ABC):
             first_tokens=first_context_bucket,
         )
         self.max_graph_contexts = max_graph_contexts
+        self.collectives_in_graph = collectives_in_graph
         self.audit: AuditMode = audit
         self.vocab_size: int = model.config.vocab_size
         self.entry_rate = entry_rate(model.config)
@@ -268,7 +272,10 @@ class ModelRunner(abc.ABC):
     def _context(self, metadata: AttentionMetadata) -> ForwardContext:
         """The forward context of one step (or capture) with ``metadata``."""
         return ForwardContext(
-            attn_metadata=metadata, kv_caches=self.kv_caches, eager_region=self.eager_region
+            attn_metadata=metadata,
+            kv_caches=self.kv_caches,
+            eager_region=self.eager_region,
+            collectives_in_graph=self.collectives_in_graph,
         )
 
     def _held_widths(self) -> set[int]:
