@@ -37,11 +37,18 @@ class ForwardContext:
     strategy the attention layers compose their region with; a context that names none gets
     ``NoGraph``, the widest (always safe) region. Outside a capture every region computes the
     same function, so plain eager use need not name one.
+
+    ``collectives_in_graph`` is the platform's capture policy for collectives (tensor-parallel
+    all-reduces and all-gathers): ``True`` (CUDA/NCCL) means a collective issued while a graph
+    segment records is captured with the graph like any other op; ``False`` (the CPU tape with
+    gloo) means each collective runs as an eager break, writing into a buffer allocated before
+    the break. Outside a capture both run the collective directly, so eager use need not set it.
     """
 
     attn_metadata: Any
     kv_caches: Any = None
     eager_region: EagerRegionStrategy = attrs.field(factory=NoGraph)
+    collectives_in_graph: bool = True
 
 
 _state = threading.local()

@@ -1,8 +1,9 @@
 """Platforms: the ``Platform`` ABC, the CUDA, ROCm and CPU platforms, ``simulate``, the registry
 and plugins.
 
-A platform is policy (its name, required eager region, V2-default exclusions and the reasons for
-each) plus a device part (device type, availability, memory pool, graph backend);
+A platform is policy (its name, required eager region, V2-default exclusions, whether its
+collectives can be captured into a graph, and the reasons for each) plus a device part (device
+type, availability, ``torch.distributed`` backend, memory pool, graph backend);
 ``simulate(platform)`` keeps the policy and swaps the device part for the CPU tape's. Nothing is
 resolved at import time: ``get_platform(name)`` looks a named platform up (an explicit name
 always wins), ``current_platform()`` decides on each call when none is named. Imports ``graphs``

@@ -1,11 +1,12 @@
 """The ``Platform`` ABC: what a device family contributes to graph capture and runner choice.
 
 A platform is *policy* plus a *device part*. The policy answers what the resolution asks (DESIGN
-§3): the platform's ``name``, the eager region it requires, the architectures it excludes from the
-``ModelRunnerV2`` default (class attributes), and why (the reason hooks). The device part is where
-that policy runs: ``device_type``, ``is_available()``, and the memory pool and graph backend that
-captures record into (warm-up is the backend's business). ``simulate(platform)`` swaps the device
-part for the CPU tape's and keeps the whole policy.
+§3, §9): the platform's ``name``, the eager region it requires, the architectures it excludes from
+the ``ModelRunnerV2`` default, whether its collectives can be captured into a graph (class
+attributes), and why (the reason hooks). The device part is where that policy runs:
+``device_type``, ``is_available()``, the ``torch.distributed`` backend its collectives use, and the
+memory pool and graph backend that captures record into (warm-up is the backend's business).
+``simulate(platform)`` swaps the device part for the CPU tape's and keeps the whole policy.
 
 Invariants:
 - Nothing here is resolved or cached at import time or process-wide: every default that depends
@@ -18,6 +19,11 @@ Invariants:
   for every platform on any machine); asking it for a backend raises
   ``PlatformUnavailableError``.
 - Platforms compare equal when they are of the same class and carry the same name.
+- The parallelism attributes are optional, with defaults that are always correct:
+  ``collectives_capturable = False`` (each collective is an eager break, so FULL graphs are
+  downgraded at a parallel size above 1) and ``distributed_backend = "gloo"``. A platform written
+  before parallelism existed, or whose author never heard of them, instantiates and runs; setting
+  ``collectives_capturable = True`` is a claim that its communicator records into its graphs.
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ from platforms.errors import PlatformUnavailableError
 __all__ = ["REQUIRED_ATTRIBUTES", "Platform"]
 
 REQUIRED_ATTRIBUTES = ("name", "device_type", "eager_region_strategy", "v2_excluded_architectures")
-"""What every concrete platform sets (as class attributes, or as properties)."""
+"""What every concrete platform sets (as class attributes, or as properties). The parallelism
+attributes (``collectives_capturable``, ``distributed_backend``) are not among them: their
+defaults are safe."""
 
 
 class Platform(abc.ABC):
@@ -52,6 +60,12 @@ class Platform(abc.ABC):
     """The narrowest eager region this platform can capture correctly."""
     v2_excluded_architectures: frozenset[str]
     """Architectures that default to ``ModelRunnerV1`` here although V2 is the default."""
+    collectives_capturable: bool = False
+    """Whether the collectives of a parallel run (``distributed_backend``'s all-reduce and
+    all-gather) are recorded into this platform's graphs and replayed with them. ``False`` (the
+    default, always correct) makes each collective an eager break: at a parallel size above 1 the
+    resolution downgrades FULL graphs, which have no eager break, to PIECEWISE. Claim ``True``
+    only for a communicator whose work the graph backend records (NCCL under CUDA graphs)."""
     simulated: bool = False
     """True for ``simulate(platform)``: this policy on the CPU tape's device part."""
 
@@ -70,6 +84,26 @@ class Platform(abc.ABC):
             return f"platform {self.name} requires nothing beyond the graph mode"
         return f"platform {self.name} requires the {self.eager_region_strategy} region"
 
+    @property
+    def collectives_reason(self) -> str:
+        """Whether and why collectives are captured into this platform's graphs (recorded in
+        resolutions at a parallel size above 1): ``platform NAME can|cannot capture BACKEND
+        collectives into a graph: WHY``. The default names the attribute, and says when it was
+        left unset; built-in platforms give the device's reason instead."""
+        declared = any(
+            "collectives_capturable" in vars(cls)
+            for cls in type(self).__mro__
+            if cls is not Platform
+        )
+        can = "can" if self.collectives_capturable else "cannot"
+        why = (
+            f"it sets collectives_capturable = {self.collectives_capturable}"
+            if declared
+            else "it does not set collectives_capturable (the safe default)"
+        )
+        backend = self.distributed_backend
+        return f"platform {self.name} {can} capture {backend} collectives into a graph: {why}"
+
     def v2_exclusion_reason(self, architecture: str) -> str:
         """Why ``architecture`` is excluded from the V2 default on this platform."""
         return f"platform {self.name} excludes {architecture} from the ModelRunnerV2 default"
@@ -87,6 +121,9 @@ class Platform(abc.ABC):
     # -- device part -------------------------------------------------------------------------------
     device_type: str
     """The torch device type tensors live on (ROCm builds of torch also report ``cuda``)."""
+    distributed_backend: str = "gloo"
+    """The ``torch.distributed`` backend parallel workers on this device initialise
+    (``gloo``, which every torch build has and which serves CPU tensors, unless set)."""
 
     @abc.abstractmethod
     def is_available(self) -> bool:

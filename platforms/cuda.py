@@ -3,7 +3,9 @@ shares with ROCm (torch's ``cuda`` API).
 
 CUDA graphs replay captured kernels against fixed addresses, so the platform itself requires no
 eager region (FULL graphs are possible wherever the runner allows them) and excludes nothing from
-the ``ModelRunnerV2`` default.
+the ``ModelRunnerV2`` default. Parallel workers talk over ``nccl``, whose collectives are kernels
+on the capturing stream: they are recorded into the graph segments like any other kernel, so a
+parallel run keeps its FULL graphs.
 """
 
 from __future__ import annotations
@@ -26,12 +28,15 @@ class CudaApiPlatform(Platform):
 
     Subclasses set ``name``, the reasons, and ``hip``: whether the platform runs on a ROCm (HIP)
     build of torch (``True``) or on a CUDA one (``False``); it is available only on that build
-    with a GPU torch sees. The policy defaults to requiring nothing: FULL graphs, no exclusions.
+    with a GPU torch sees. The policy defaults to requiring nothing: FULL graphs, no exclusions,
+    and collectives captured (``nccl``, which ROCm builds of torch serve with RCCL).
     """
 
     device_type = "cuda"
     eager_region_strategy = FullGraph()
     v2_excluded_architectures: frozenset[str] = frozenset()
+    collectives_capturable = True
+    distributed_backend = "nccl"
     hip: ClassVar[bool]
 
     def is_available(self) -> bool:
@@ -61,6 +66,13 @@ class CudaPlatform(CudaApiPlatform):
     eager_region_reason = (
         "platform cuda requires nothing: CUDA graphs replay against fixed addresses"
     )
+
+    @property
+    def collectives_reason(self) -> str:
+        return (
+            f"platform {self.name} can capture nccl collectives into a graph: NCCL kernels run "
+            "on the capturing stream and are recorded into CUDA graphs like any other kernel"
+        )
 
     def unavailable_reason(self) -> str:
         if torch.version.hip is not None:

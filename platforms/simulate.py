@@ -1,11 +1,17 @@
 """``simulate(platform)``: a platform's policy on the CPU tape's device part.
 
 A platform is policy plus a device part (see ``platforms.base``). A ``SimulatedPlatform`` brings
-the CPU tape's device part — the ``cpu`` device type, always available, a tape pool and the tape
-backend — and reads every other attribute through to the platform it wraps: its name, required
-eager region, V2 exclusions, each reason hook, and any hook a subclass or a later ``Platform``
-adds, with no change here. So a ROCm or out-of-tree policy can be exercised, and its resolution
-proven correct, on a machine without that device.
+the CPU tape's device part — the ``cpu`` device type, always available, a tape pool, the tape
+backend and ``gloo`` for parallel workers — and reads every other attribute through to the
+platform it wraps: its name, required eager region, V2 exclusions, whether its collectives can be
+captured, each reason hook, and any hook a subclass or a later ``Platform`` adds, with no change
+here. So a ROCm or out-of-tree policy can be exercised, and its resolution proven correct, on a
+machine without that device.
+
+Collectives are the one place where the policy and the run part ways: ``collectives_capturable``
+(and its reason) is the wrapped platform's, so a simulated CUDA resolves as CUDA does (no FULL
+downgrade at a parallel size above 1), but the tape cannot capture a real ``gloo`` collective, so
+a simulated run breaks around every one (``Resolution.collectives_in_graph`` is false).
 
 Invariants:
 - ``simulate`` is idempotent: a simulated platform simulated again wraps the same platform.
@@ -28,6 +34,7 @@ class SimulatedPlatform(Platform):
 
     simulated = True
     device_type = "cpu"
+    distributed_backend = CpuPlatform.distributed_backend
 
     def __init__(self, platform: Platform) -> None:
         inner = platform.platform if isinstance(platform, SimulatedPlatform) else platform

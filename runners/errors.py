@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "CaptureSizeError",
+    "ParallelSizeError",
     "ResolutionError",
     "RunnerInputError",
     "UnknownEagerRegionError",
@@ -28,6 +29,10 @@ class UnknownModeError(ResolutionError):
 
 class UnknownEagerRegionError(ResolutionError):
     """An eager-region name that is not one of the four strategies (or ``auto``)."""
+
+
+class ParallelSizeError(ResolutionError):
+    """A parallel size that is not an integer >= 1."""
 
 
 class UnsafeRegionError(ResolutionError):

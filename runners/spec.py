@@ -78,6 +78,9 @@ class EngineSpec:
     cudagraph_mode: str = "auto"
     eager_region: str = "auto"
     unsafe_region: bool = False
+    tensor_parallel_size: int = 1
+    """Ranks the model is split over (``resolve``'s ``tensor_parallel_size``, an integer >= 1):
+    above 1, collectives the platform cannot capture downgrade FULL graphs to PIECEWISE."""
     capture_sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES
     first_context_bucket: int = DEFAULT_FIRST_CONTEXT_BUCKET
     """Tokens the smallest context bucket covers; each next one doubles (``runners.batch``)."""
@@ -168,6 +171,7 @@ def resolve_spec(spec: EngineSpec) -> Resolution:
         cudagraph_mode=spec.cudagraph_mode,
         eager_region=spec.eager_region,
         unsafe_region=spec.unsafe_region,
+        tensor_parallel_size=spec.tensor_parallel_size,
     )
 
 

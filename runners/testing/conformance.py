@@ -12,7 +12,9 @@ Usage (in the author's test suite; no ``conftest.py`` of ours is needed)::
             return MyPlatform()
 
 The class checks the platform's policy against the flags (identity, declared requirements, the
-resolution it yields for DeepSeek-V4, its simulation, its graph backend) and then proves every
+resolution it yields for DeepSeek-V4 alone and at ``tensor_parallel_size`` ranks, where its
+collective policy decides whether FULL graphs survive, its simulation, its graph backend) and
+then proves every
 (runner, graph mode, eager region) the resolution allows equal to eager, in two passes
 (``passes``): a deterministic pass over every allowed configuration on a fixed tiny model and
 fixed prompts, so a wrong claim fails within seconds, then a random search (hypothesis, under
@@ -66,6 +68,11 @@ class PlatformConformanceTests(abc.ABC):
     """Name of the eager region the platform's policy requires (``eager_region_strategy``)."""
     excludes_from_v2: ClassVar[frozenset[str]] = frozenset()
     """Architectures the platform excludes from the ModelRunnerV2 default."""
+    captures_collectives: ClassVar[bool] = False
+    """Whether the platform's collectives are captured into its graphs
+    (``collectives_capturable``; unset there, it is ``False``)."""
+    tensor_parallel_size: ClassVar[int] = 2
+    """The parallel size (above 1) the kit resolves at to check the collective policy."""
     run_on_device: ClassVar[bool] = True
     """Run the equivalence passes on the real device when available (else always simulated)."""
     atol: ClassVar[float | None] = None
@@ -95,6 +102,8 @@ class PlatformConformanceTests(abc.ABC):
         return simulated
 
     def resolve(self, **overrides: Any) -> Resolution:
+        """``resolve`` of DeepSeek-V4 on a fresh platform (``tensor_parallel_size`` among the
+        overrides; 1 unless given)."""
         return resolve(DSV4, self.make_platform(), environ={}, **overrides)
 
     # -- identity and declared policy ----------------------------------------------------------
@@ -146,11 +155,33 @@ class PlatformConformanceTests(abc.ABC):
                 bool(platform.v2_exclusion_reason(architecture).strip()),
                 f"platform {platform.name}: v2_exclusion_reason({architecture!r}) is empty",
             )
+        captures = platform.collectives_capturable
+        expect(
+            captures is self.captures_collectives,
+            f"platform {platform.name}: the test class says captures_collectives = "
+            f"{self.captures_collectives}, the platform's collectives_capturable is {captures!r}",
+        )
+        backend = platform.distributed_backend
+        expect(
+            isinstance(backend, str) and bool(backend.strip()),
+            f"platform {platform.name}: distributed_backend {backend!r} is not a backend name",
+        )
+        expect(
+            bool(platform.collectives_reason.strip()),
+            f"platform {platform.name}: collectives_reason is empty",
+        )
 
     def test_simulation_keeps_the_policy_and_runs_on_the_cpu(self) -> None:
         platform = self.make_platform()
         simulated = simulate(platform)
-        for field in ("name", "eager_region_strategy", "v2_excluded_architectures"):
+        policy = (
+            "name",
+            "eager_region_strategy",
+            "v2_excluded_architectures",
+            "collectives_capturable",
+            "collectives_reason",
+        )
+        for field in policy:
             got, expected = getattr(simulated, field), getattr(platform, field)
             expect(
                 got == expected,
@@ -184,6 +215,61 @@ class PlatformConformanceTests(abc.ABC):
                 f"platform {platform.name}: the default resolution of {DSV4} has {what} {got}, "
                 f"expected {want}; reasons: {list(r.reasons)}",
             )
+
+    def test_parallel_resolution_follows_the_collective_policy(self) -> None:
+        """At ``tensor_parallel_size`` ranks the default resolution is the single-process one
+        plus a reason quoting ``collectives_reason``, except that a decode FULL is downgraded
+        (with a reason naming the size) when the platform cannot capture collectives. Simulated,
+        the resolution is the same, and the run breaks around collectives."""
+        size = self.tensor_parallel_size
+        expect(size > 1, f"tensor_parallel_size = {size}: the kit checks parallel runs (> 1)")
+        platform = self.make_platform()
+        alone, parallel = self.resolve(), self.resolve(tensor_parallel_size=size)
+        keeps_full = alone.decode_mode is not CUDAGraphMode.FULL or self.captures_collectives
+        decode = alone.decode_mode if keeps_full else CUDAGraphMode.PIECEWISE
+        label = f"platform {platform.name} at tensor parallel size {size}"
+        expect(
+            (parallel.decode_mode, parallel.mixed_mode, parallel.eager_region)
+            == (decode, alone.mixed_mode, alone.eager_region),
+            f"{label}: resolved to {resolved(parallel)}, expected decode {decode.name}, mixed "
+            f"{alone.mixed_mode.name}, region {alone.eager_region.name} (alone: "
+            f"{resolved(alone)}); reasons: {list(parallel.reasons)}",
+        )
+        sized = [x for x in parallel.reasons if f"tensor parallel size {size}" in x]
+        rest = [x for x in parallel.reasons if x not in sized]
+        downgrade = "decode batches: FULL downgraded to PIECEWISE"
+        as_expected = (
+            (rest == list(alone.reasons) and len(sized) == 1)
+            if keeps_full
+            else (len(sized) == 2 and sized[1].startswith(downgrade))
+        )
+        expect(
+            as_expected,
+            f"{label}: reasons {list(parallel.reasons)} are not the single-process reasons "
+            f"{list(alone.reasons)} plus the collectives' own"
+            + ("" if keeps_full else " and the decode downgrade"),
+        )
+        expect(
+            any(platform.collectives_reason in x for x in sized),
+            f"{label}: no reason quotes collectives_reason {platform.collectives_reason!r}: "
+            f"{sized}",
+        )
+        expect(
+            parallel.collectives_in_graph is self.captures_collectives,
+            f"{label}: collectives_in_graph is {parallel.collectives_in_graph}",
+        )
+        # On the tape every collective breaks, so a simulated run keeps no decode FULL
+        simulated = resolve(DSV4, simulate(platform), environ={}, tensor_parallel_size=size)
+        breaking = decode if decode is not CUDAGraphMode.FULL else CUDAGraphMode.PIECEWISE
+        expect(
+            (simulated.decode_mode, simulated.mixed_mode, simulated.eager_region)
+            == (breaking, parallel.mixed_mode, parallel.eager_region)
+            and not simulated.collectives_in_graph,
+            f"simulate(platform {platform.name}) at tensor parallel size {size} resolved to "
+            f"{resolved(simulated)} with collectives_in_graph {simulated.collectives_in_graph}; "
+            f"expected decode {breaking.name}, mixed {parallel.mixed_mode.name}, region "
+            f"{parallel.eager_region.name} with the collectives breaking on the tape",
+        )
 
     @pytest.mark.parametrize("runner", sorted(RUNNERS))
     def test_an_explicit_runner_wins(self, runner: str) -> None:
@@ -246,13 +332,19 @@ class PlatformConformanceTests(abc.ABC):
             expect(torch.equal(got, want), f"{label}: replay {step} gave {got}, expected {want}")
 
     # -- equivalence to eager -------------------------------------------------------------------
-    def allowed_configurations(self) -> list[Configuration]:
-        """Every (runner, mode, region) the resolution accepts on this platform, one per
-        distinct resolution (the first spelling of each)."""
+    def allowed_configurations(self, tensor_parallel_size: int = 1) -> list[Configuration]:
+        """Every (runner, mode, region) the resolution accepts on this platform at
+        ``tensor_parallel_size`` ranks, one per distinct resolution (the first spelling of
+        each)."""
         seen: dict[tuple[Any, ...], Configuration] = {}
         for runner, mode, region in itertools.product(sorted(RUNNERS), MODE_NAMES, REGION_NAMES):
             try:
-                r = self.resolve(runner=runner, cudagraph_mode=mode, eager_region=region)
+                r = self.resolve(
+                    runner=runner,
+                    cudagraph_mode=mode,
+                    eager_region=region,
+                    tensor_parallel_size=tensor_parallel_size,
+                )
             except ResolutionError:
                 continue
             configuration = Configuration(

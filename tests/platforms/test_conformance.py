@@ -17,12 +17,15 @@ class TestCpuPlatform(PlatformConformanceTests):
 
 
 class TestCudaPlatform(PlatformConformanceTests):
+    captures_collectives = True
+
     def make_platform(self) -> Platform:
         return CudaPlatform()
 
 
 class TestRocmPlatform(PlatformConformanceTests):
     excludes_from_v2 = frozenset({"DeepseekV4ForCausalLM"})
+    captures_collectives = True
 
     def make_platform(self) -> Platform:
         return RocmPlatform()

@@ -60,6 +60,25 @@ class CpuClaimingExclusions(PlatformConformanceTests):
         return CpuPlatform()
 
 
+class CpuClaimingCapturedCollectives(PlatformConformanceTests):
+    captures_collectives = True
+
+    def make_platform(self) -> Platform:
+        return CpuPlatform()
+
+
+class CudaClaimingBrokenCollectives(PlatformConformanceTests):
+    def make_platform(self) -> Platform:
+        return CudaPlatform()
+
+
+class CpuAtOneRank(PlatformConformanceTests):
+    tensor_parallel_size = 1
+
+    def make_platform(self) -> Platform:
+        return CpuPlatform()
+
+
 class CaptureFails(PlatformConformanceTests):
     required_region = "wide"
 
@@ -110,6 +129,43 @@ def test_wrong_exclusions_name_both_values() -> None:
         CpuClaimingExclusions().test_policy_matches_the_declared_capabilities()
     with pytest.raises(AssertionError, match=r"default resolution .* runner v2, expected v1"):
         CpuClaimingExclusions().test_default_resolution_follows_the_design()
+
+
+def test_a_wrong_collectives_claim_names_both_values_and_the_resolution() -> None:
+    with pytest.raises(
+        AssertionError,
+        match=r"^platform cpu: the test class says captures_collectives = True, the platform's "
+        r"collectives_capturable is False$",
+    ):
+        CpuClaimingCapturedCollectives().test_policy_matches_the_declared_capabilities()
+    with pytest.raises(
+        AssertionError,
+        match=r"^platform cpu at tensor parallel size 2: resolved to decode PIECEWISE, mixed "
+        r"PIECEWISE, region narrow, expected decode FULL, mixed PIECEWISE, region narrow ",
+    ):
+        CpuClaimingCapturedCollectives().test_parallel_resolution_follows_the_collective_policy()
+    with pytest.raises(
+        AssertionError,
+        match=r"^platform cuda at tensor parallel size 2: resolved to decode FULL, mixed "
+        r"PIECEWISE, region narrow, expected decode PIECEWISE, ",
+    ):
+        CudaClaimingBrokenCollectives().test_parallel_resolution_follows_the_collective_policy()
+
+
+def test_the_parallel_check_needs_more_than_one_rank() -> None:
+    with pytest.raises(
+        AssertionError, match=r"^tensor_parallel_size = 1: the kit checks parallel runs \(> 1\)$"
+    ):
+        CpuAtOneRank().test_parallel_resolution_follows_the_collective_policy()
+
+
+def test_allowed_configurations_take_the_parallel_size() -> None:
+    """At two ranks on the CPU no configuration resolves to a FULL decode graph; at one, some
+    do. (The multi-process equivalence runs use this parameter.)"""
+    kit = CpuAtOneRank()
+    alone, parallel = kit.allowed_configurations(), kit.allowed_configurations(2)
+    assert any(c.resolved.startswith("decode FULL") for c in alone)
+    assert parallel and not any(c.resolved.startswith("decode FULL") for c in parallel)
 
 
 def test_a_configuration_that_raises_is_named_with_the_exception() -> None:

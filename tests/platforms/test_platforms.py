@@ -61,6 +61,57 @@ def test_builtin_policies() -> None:
     assert "faster" in rocm.v2_exclusion_reason("DeepseekV4ForCausalLM")
 
 
+def test_builtin_collective_policies() -> None:
+    """NCCL (RCCL on ROCm) collectives are captured into graphs; gloo's on the CPU tape are not."""
+    cuda, rocm, cpu = CudaPlatform(), RocmPlatform(), CpuPlatform()
+    assert (cuda.collectives_capturable, rocm.collectives_capturable) == (True, True)
+    assert cpu.collectives_capturable is False
+    assert (cuda.distributed_backend, rocm.distributed_backend) == ("nccl", "nccl")
+    assert cpu.distributed_backend == "gloo"
+    assert cpu.collectives_reason == (
+        "platform cpu cannot capture gloo collectives into a graph: gloo communicates from its "
+        "own host threads, outside the ops the tape records"
+    )
+    assert cuda.collectives_reason == (
+        "platform cuda can capture nccl collectives into a graph: NCCL kernels run on the "
+        "capturing stream and are recorded into CUDA graphs like any other kernel"
+    )
+    assert rocm.collectives_reason == (
+        "platform rocm can capture nccl collectives into a graph: torch serves nccl with RCCL "
+        "on ROCm, whose kernels run on the capturing stream and are recorded into HIP graphs "
+        "like any other kernel"
+    )
+
+
+def test_a_platform_that_never_heard_of_collectives_is_safe_by_default() -> None:
+    """The parallelism attributes are optional: a platform written without them instantiates,
+    and its collectives break (always correct), with a reason saying the attribute is unset."""
+    assert "collectives_capturable" not in REQUIRED_ATTRIBUTES
+    assert "distributed_backend" not in REQUIRED_ATTRIBUTES
+    offline = OfflinePlatform()
+    assert (offline.collectives_capturable, offline.distributed_backend) == (False, "gloo")
+    assert offline.collectives_reason == (
+        "platform offline cannot capture gloo collectives into a graph: it does not set "
+        "collectives_capturable (the safe default)"
+    )
+
+    class Declared(OfflinePlatform):
+        collectives_capturable = False
+        distributed_backend = "xccl"
+
+    class Capturing(Declared):
+        collectives_capturable = True
+
+    assert Declared().collectives_reason == (
+        "platform offline cannot capture xccl collectives into a graph: it sets "
+        "collectives_capturable = False"
+    )
+    assert Capturing().collectives_reason == (
+        "platform offline can capture xccl collectives into a graph: it sets "
+        "collectives_capturable = True"
+    )
+
+
 def test_availability_follows_this_torch_build() -> None:
     gpu = torch.cuda.is_available()
     hip = torch.version.hip is not None
@@ -153,6 +204,16 @@ def test_simulation_swaps_only_the_device_part() -> None:
     assert rocm.unavailable_reason() == RocmPlatform().unavailable_reason()
     assert (rocm.device_type, rocm.is_available()) == ("cpu", True)
     assert isinstance(rocm, Platform) and not isinstance(rocm, RocmPlatform)
+
+
+def test_simulation_keeps_the_collective_policy_and_talks_gloo() -> None:
+    """Whether collectives can be captured is policy (read through); the process-group backend
+    is the device part's: a simulated run's tensors are on the CPU, so gloo."""
+    for platform in (CudaPlatform(), RocmPlatform(), CpuPlatform(), OfflinePlatform()):
+        sim = simulate(platform)
+        assert sim.collectives_capturable is platform.collectives_capturable
+        assert sim.collectives_reason == platform.collectives_reason
+        assert sim.distributed_backend == "gloo"
 
 
 def test_a_new_policy_hook_reaches_simulated_platforms(monkeypatch: pytest.MonkeyPatch) -> None:

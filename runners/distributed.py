@@ -1,0 +1,254 @@
+"""Running one CLI command as N ranks of a ``torch.distributed`` process group.
+
+Every rank runs the same command on the same arguments (SPMD): each builds its share of the
+model and an identical engine, and since the model's logits are gathered to every rank and
+every rank's sampling generator starts from one shared seed, the engines schedule and sample
+identically; rank 0 alone prints. Two ways to start the ranks:
+
+- ``--tensor-parallel-size N`` (``run_local``): this process spawns N local worker processes,
+  which meet at a free local port, and supervises them.
+- ``torchrun`` (``torchrun_world``): this process is one rank of a world ``torchrun`` started,
+  on any number of nodes, at its rendezvous (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+  ``MASTER_PORT`` in the environment).
+
+Invariants of ``run_local``:
+- It returns rank 0's payload only once every rank has finished cleanly.
+- If a rank raises, its error reaches the parent as one line, and a rank that dies (a signal,
+  ``os._exit``) is seen by its exit code; either way every other rank is terminated (killed
+  after ``GRACE_S``), and the parent raises ``RankFailedError`` naming the rank and its error:
+  the cause, not the peers that failed because they lost it (``_cause``).
+- A ``KeyboardInterrupt`` in the parent terminates every rank the same way and is re-raised.
+- No worker outlives the call: each is joined, or killed and joined.
+- Collectives give up after ``COLLECTIVE_TIMEOUT`` (the process group's timeout), so a rank
+  whose peer vanished unnoticed cannot wait forever.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import multiprocessing
+import os
+import queue
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "COLLECTIVE_TIMEOUT",
+    "GRACE_S",
+    "RankFailedError",
+    "World",
+    "execute_ranked",
+    "process_group",
+    "run_local",
+    "torchrun_world",
+]
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
+GRACE_S = 5.0
+"""Seconds a terminated rank gets to exit before it is killed."""
+SETTLE_S = 3.0
+"""Seconds to wait, after a rank fails, for the other ranks' reports (to name the cause)."""
+
+Command = Callable[[argparse.Namespace], dict[str, Any]]
+
+
+class RankFailedError(RuntimeError):
+    """A rank of a parallel run raised or died; the message names the rank and its error."""
+
+
+@attrs.frozen
+class World:
+    """This process's place in a process group."""
+
+    rank: int
+    size: int
+    master_addr: str
+    master_port: int
+
+
+def torchrun_world() -> World | None:
+    """The world ``torchrun`` started this process in, or ``None`` outside ``torchrun``."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or "RANK" not in os.environ:
+        return None
+    return World(
+        rank=int(os.environ["RANK"]),
+        size=int(os.environ["WORLD_SIZE"]),
+        master_addr=os.environ["MASTER_ADDR"],
+        master_port=int(os.environ["MASTER_PORT"]),
+    )
+
+
+@contextlib.contextmanager
+def process_group(world: World, backend: str) -> Iterator[None]:
+    """Join ``world``'s default process group on ``backend`` and share one sampling seed (rank
+    0's) with every rank; leave the group on exit."""
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{world.master_addr}:{world.master_port}",
+        rank=world.rank,
+        world_size=world.size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    try:
+        seed = torch.tensor([torch.seed() % 2**62 if world.rank == 0 else 0], dtype=torch.int64)
+        dist.broadcast(seed, src=0)
+        torch.manual_seed(int(seed.item()))
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def execute_ranked(
+    command: Command, args: argparse.Namespace, size: int, backend: str
+) -> dict[str, Any] | None:
+    """``command(args)`` as this process's part of a parallel run: under ``torchrun``, as its
+    rank (the parallel size is the world's; ``None`` on every rank but 0, which alone prints);
+    else on ``size`` local ranks (``run_local``), or in this process for size 1."""
+    world = torchrun_world()
+    if world is None:
+        return command(args) if size == 1 else run_local(command, args, size, backend)
+    if size not in (1, world.size):
+        raise RankFailedError(
+            f"--tensor-parallel-size {size} differs from the {world.size} processes torchrun "
+            "started; leave it out under torchrun"
+        )
+    args.tensor_parallel_size = world.size
+    if world.rank != 0:
+        _silence()
+    with process_group(world, backend):
+        payload = command(args)
+    return payload if world.rank == 0 else None
+
+
+def run_local(
+    command: Command, args: argparse.Namespace, size: int, backend: str
+) -> dict[str, Any]:
+    """Run ``command(args)`` on ``size`` local ranks; return rank 0's payload (see the module
+    docstring for what happens when a rank fails)."""
+    context = multiprocessing.get_context("spawn")
+    results: Any = context.Queue()
+    world = World(rank=0, size=size, master_addr="127.0.0.1", master_port=_free_port())
+    workers = [
+        context.Process(
+            target=_worker,
+            args=(command, args, attrs.evolve(world, rank=rank), backend, results),
+            name=f"dsv4-rank-{rank}",
+        )
+        for rank in range(size)
+    ]
+    for worker in workers:
+        worker.start()
+    try:
+        return _supervise(workers, results)
+    finally:
+        _stop(workers)
+
+
+def _supervise(workers: list[Any], results: Any) -> dict[str, Any]:
+    """Wait for every rank; return rank 0's payload, or raise ``RankFailedError``."""
+    payloads: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    while len(payloads) < len(workers) and not failures:
+        _collect(workers, results, payloads, failures)
+    if failures:
+        # A failing rank makes its peers fail too (their collectives lose it): wait briefly for
+        # every rank's report, then name the cause rather than its echoes.
+        deadline = time.monotonic() + SETTLE_S
+        while time.monotonic() < deadline and any(w.exitcode is None for w in workers):
+            _collect(workers, results, payloads, failures)
+        raise RankFailedError(_cause(failures))
+    return dict(payloads[0])
+
+
+def _collect(
+    workers: list[Any], results: Any, payloads: dict[int, Any], failures: dict[int, str]
+) -> None:
+    """Take one report (or notice a rank that exited without one) within 0.1 s."""
+    try:
+        rank, ok, value = results.get(timeout=0.1)
+    except queue.Empty:
+        for rank, worker in enumerate(workers):
+            code = worker.exitcode
+            if rank not in payloads and rank not in failures and code not in (None, 0):
+                failures[rank] = f"rank {rank} died ({_exit_reason(code)})"
+        return
+    if ok:
+        payloads[rank] = value
+    else:
+        failures[rank] = f"rank {rank} failed: {value}"
+
+
+_ECHOES = ("connection closed", "connection reset", "remote worker", "timed out", "timeout")
+"""What a rank's error says when it only lost a peer (gloo's and NCCL's wording)."""
+
+
+def _cause(failures: dict[int, str]) -> str:
+    """The failure that caused the others: a rank that died, else one whose error is not the
+    echo of a lost peer, else the lowest rank's."""
+    ranked = sorted(failures.items())
+    for predicate in (
+        lambda line: " died (" in line,
+        lambda line: not any(echo in line.lower() for echo in _ECHOES),
+    ):
+        for _, line in ranked:
+            if predicate(line):
+                return line
+    return ranked[0][1]
+
+
+def _stop(workers: list[Any]) -> None:
+    """Terminate every worker still running, kill those that outlive the grace period, and
+    join them all."""
+    for worker in workers:
+        if worker.is_alive():
+            worker.terminate()
+    deadline = time.monotonic() + GRACE_S
+    for worker in workers:
+        worker.join(max(0.0, deadline - time.monotonic()))
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
+
+
+def _worker(
+    command: Command, args: argparse.Namespace, world: World, backend: str, results: Any
+) -> None:
+    """One rank: run the command in the process group, report rank 0's payload (or any rank's
+    error, as one line)."""
+    if world.rank != 0:
+        _silence()
+    try:
+        with process_group(world, backend):
+            payload = command(args)
+    except KeyboardInterrupt:
+        os._exit(130)
+    except BaseException as exc:  # every failure reaches the parent as one line
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        results.put((world.rank, False, f"{type(exc).__name__}: {message}"))
+        return
+    results.put((world.rank, True, payload if world.rank == 0 else None))
+
+
+def _silence() -> None:
+    """Rank 0 alone speaks: every other rank's output goes nowhere (its errors still reach
+    the parent, or ``torchrun``, by its exit)."""
+    sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 (lives as the process)
+
+
+def _exit_reason(code: int) -> str:
+    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])

@@ -1,0 +1,59 @@
+"""Local ranks (``runners.distributed.run_local``): rank 0's payload comes back once every rank
+finished; a rank that raises or dies stops every rank within seconds, with one line naming it,
+and no worker process outlives the call."""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from runners.distributed import RankFailedError, run_local
+
+
+def _sum_of_ranks(args: argparse.Namespace) -> dict[str, Any]:
+    value = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(value)
+    return {"sum": value.item(), "rank": dist.get_rank(), "seed": torch.initial_seed()}
+
+
+def _rank_fails(args: argparse.Namespace) -> dict[str, Any]:
+    if dist.get_rank() == args.bad_rank:
+        if args.how == "raise":
+            raise ValueError("boom\nsecond line")
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()  # the others wait for the failed rank: they must be stopped, not hang
+    time.sleep(120)
+    return {}
+
+
+def _no_workers_left() -> bool:
+    return not [p for p in multiprocessing.active_children() if p.name.startswith("dsv4-rank")]
+
+
+def test_rank_zero_payload_after_a_collective() -> None:
+    payload = run_local(_sum_of_ranks, argparse.Namespace(), 3, "gloo")
+    assert payload["sum"] == 1 + 2 + 3 and payload["rank"] == 0
+    assert _no_workers_left()
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [("raise", "rank 1 failed: ValueError: boom second line"), ("die", "rank 1 died")],
+)
+def test_a_failing_rank_stops_every_rank_with_one_line(how: str, message: str) -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as failed:
+        run_local(_rank_fails, argparse.Namespace(bad_rank=1, how=how), 2, "gloo")
+    assert time.monotonic() - start < 60
+    assert str(failed.value).startswith(message) and "\n" not in str(failed.value)
+    if how == "die":
+        assert str(failed.value) == "rank 1 died (killed by signal 9)"
+    assert _no_workers_left()
