@@ -1,5 +1,9 @@
 """The DeepSeek-V4 model: config, strategy-composed attention, paged caches, checkpoints.
 
+Tensor and expert parallelism: ``TensorParallel`` names a rank (``dsv4.parallel``),
+``DeepseekV4ForCausalLM(..., parallel=)``/``load_checkpoint(..., parallel=)`` build or load its
+share, ``shard_model`` takes it from a full model (``dsv4.sharding``).
+
 The model keeps no per-run state: each step's metadata, paged caches and eager region reach it
 through the forward context (``graphs.forward_context``).
 
@@ -13,8 +17,11 @@ from dsv4.config import DeepseekV4Config, YarnScaling
 from dsv4.errors import CheckpointError, ConfigError
 from dsv4.metadata import AttentionMetadata, ChunkLike, MetadataBuffers, new_metadata
 from dsv4.model import DeepseekV4ForCausalLM
+from dsv4.parallel import SINGLE, ParallelSizeError, TensorParallel, check_parallel_size
+from dsv4.sharding import shard_model
 
 __all__ = [
+    "SINGLE",
     "AttentionMetadata",
     "CheckpointError",
     "ChunkLike",
@@ -26,9 +33,13 @@ __all__ = [
     "LayerCache",
     "MetadataBuffers",
     "PagedKVCaches",
+    "ParallelSizeError",
+    "TensorParallel",
     "YarnScaling",
     "allocate_kv_caches",
+    "check_parallel_size",
     "load_checkpoint",
     "new_metadata",
     "save_random_checkpoint",
+    "shard_model",
 ]

@@ -15,7 +15,18 @@
      output and returns it. No host syncs on any path: each token gathers its own request's
      window and entries with static shapes and masks what it may not see, so even FULL
      graphs can capture it;
-3. inverse RoPE on the output and the grouped low-rank output projection (captured).
+3. inverse RoPE on the output and the grouped low-rank output projection (captured), then,
+   with tensor parallelism, the all-reduce of the partial outputs (``TensorParallel``).
+
+Tensor parallelism (``parallel``): a rank holds ``num_attention_heads / N`` query heads — their
+rows of ``q_b_proj`` and their ``sinks`` — and the ``o_groups / N`` output groups those heads
+feed (rows of ``o_a_proj``; the matching columns of ``o_b_proj``, a row-parallel projection whose
+partial sums one all-reduce adds). Replicated, with the reasons: ``q_a_proj``/``q_a_norm`` (the
+low-rank query every head and the indexer read); the single shared KV head ``kv_proj``/``kv_norm``
+(every head attends to it, so each rank writes the same full KV cache and needs no collective
+before attending); the compressor and the indexer (their entries are keys of that one KV head,
+and the indexer's top-k must pick the same entries on every rank; splitting its heads would put
+an all-reduce of its scores inside the attention region, for a small module).
 
 No other path calls ``_prepare``/``_attend``, so no caller can bypass the strategy.
 ``_prepare`` reads the step's metadata and the layer's paged caches from the forward context;
@@ -47,6 +58,7 @@ from dsv4.paging import (
     token_slots,
     write_rows,
 )
+from dsv4.parallel import SINGLE, TensorParallel
 from dsv4.pooling import PoolingPlan, entry_capacity, entry_ends
 from dsv4.rope import RotaryEmbedding, RotaryTables
 from graphs import EagerRegionStrategy, ForwardContext, get_forward_context
@@ -103,28 +115,33 @@ def _layer_cache(ctx: ForwardContext, layer_idx: int, num_layers: int) -> LayerC
 class DeepseekV4Attention(nn.Module):
     """Shared-KV multi-query attention with window, compressed entries, sinks and grouped output."""
 
-    def __init__(self, config: DeepseekV4Config, layer_idx: int) -> None:
+    def __init__(
+        self, config: DeepseekV4Config, layer_idx: int, parallel: TensorParallel = SINGLE
+    ) -> None:
+        """The layer's share for rank ``parallel`` (see the module docstring); ``parallel.size``
+        must divide the heads and the output groups."""
         super().__init__()
         self.layer_idx = layer_idx
+        self.parallel = parallel
         self.num_layers = config.num_hidden_layers
         self.layer_type = config.layer_types[layer_idx]
-        self.num_heads = config.num_attention_heads
+        self.num_heads = len(parallel.share(config.num_attention_heads))
         self.head_dim = config.head_dim
-        self.o_groups = config.o_groups
+        self.o_groups = len(parallel.share(config.o_groups))
         self.sliding_window = config.sliding_window
         self.eps = config.rms_norm_eps
         self.scaling = config.head_dim**-0.5
-        hidden, heads_dim = config.hidden_size, config.num_attention_heads * config.head_dim
+        hidden, heads_dim = config.hidden_size, self.num_heads * config.head_dim
         self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=False)
         self.q_a_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
         self.q_b_proj = nn.Linear(config.q_lora_rank, heads_dim, bias=False)
         self.kv_proj = nn.Linear(hidden, config.head_dim, bias=False)
         self.kv_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.o_a_proj = GroupedLinear(
-            heads_dim // config.o_groups, config.o_groups * config.o_lora_rank, config.o_groups
+            heads_dim // self.o_groups, self.o_groups * config.o_lora_rank, self.o_groups
         )
-        self.o_b_proj = nn.Linear(config.o_groups * config.o_lora_rank, hidden, bias=False)
-        self.sinks = nn.Parameter(torch.zeros(config.num_attention_heads))
+        self.o_b_proj = nn.Linear(self.o_groups * config.o_lora_rank, hidden, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads))
         if self.layer_type == SLIDING:
             self.rope = RotaryEmbedding(
                 config.rope_dim, config.rope_theta, config.main_yarn, (config.head_dim,)
@@ -166,7 +183,7 @@ class DeepseekV4Attention(nn.Module):
         )
         attended = self.rope.rotate(attended, heads.last(self.head_dim), inverse=True)
         grouped = self.o_a_proj(attended.reshape(tokens, self.o_groups, -1)).flatten(1)
-        return self.o_b_proj(grouped)
+        return self.parallel.all_reduce_(self.o_b_proj(grouped))
 
     def _prepare(
         self,

@@ -21,6 +21,12 @@ Memory: the model is built uninitialised in its final dtypes and filled in place
 read lazily from the memory-mapped shards (``dsv4.shard_reader``) in blocks of ``chunk_budget``
 bytes, each block cast by its copy into the parameter and checked finite there, so a load's peak
 is the model plus a few blocks (the error path alone reads a whole tensor, to report it).
+
+Tensor parallelism (``parallel=``): the model is rank ``parallel``'s share (``dsv4.model``) and
+each stored tensor is checked against the *full* model's shape but only the rank's slice of it
+is read (``dsv4.sharding.RankShare``: safetensors ``get_slice`` of the rank's rows or columns;
+of routed experts stored one per tensor, only the rank's experts); quantized tensors likewise
+(``dsv4.quantized_loading``), sliced at scale-block boundaries.
 """
 
 from __future__ import annotations
@@ -28,9 +34,10 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from pathlib import Path
 
+import attrs
 import torch
 from safetensors.torch import save_file
 
@@ -40,7 +47,9 @@ from dsv4.errors import CheckpointError
 from dsv4.hf_config import load_config, save_config
 from dsv4.load_progress import LoadTally, ProgressOption
 from dsv4.model import DeepseekV4ForCausalLM
+from dsv4.parallel import SINGLE, TensorParallel
 from dsv4.shard_reader import Entry, ShardReader, Stored, element_bits, index_chunks
+from dsv4.sharding import RankShare, Split
 from dsv4.weights import randomize_
 
 __all__ = [
@@ -147,9 +156,10 @@ def chunk_budget(model_bytes: int) -> int:
     return min(max(model_bytes // _CHUNK_FRACTION, _MIN_CHUNK), _MAX_CHUNK)
 
 
-def _check_header(entry: Entry, expected: torch.Tensor) -> None:
+def _check_header(entry: Entry, expected: torch.Tensor, split: Split | None, parts: int) -> None:
     """The stored dtype must suit the model's (floating for floating, integer for integer) and
-    the stored shape must be the model's."""
+    the stored shape must be the full model's: ``expected``'s, its ``split`` dimension ``parts``
+    times as long."""
     key, file = entry.stored.key, entry.stored.path.name
     allowed = _FLOAT_DTYPES if expected.is_floating_point() else _INT_DTYPES
     if entry.dtype not in allowed:
@@ -158,21 +168,36 @@ def _check_header(entry: Entry, expected: torch.Tensor) -> None:
         raise CheckpointError(
             f"tensor {key!r} in {file} is {entry.dtype}{why}; expected one of {sorted(allowed)}"
         )
-    if entry.shape != tuple(expected.shape):
+    shape = list(expected.shape)
+    if split is not None:
+        shape[split.dim] *= parts
+    if list(entry.shape) != shape:
         raise CheckpointError(
-            f"tensor {key!r} in {file} has shape {list(entry.shape)}, "
-            f"expected {list(expected.shape)}"
+            f"tensor {key!r} in {file} has shape {list(entry.shape)}, expected {shape}"
         )
 
 
-def _fill(reader: ShardReader, entry: Entry, target: torch.Tensor, budget: int) -> None:
-    """Copy ``entry`` into ``target`` (a parameter or a slice of one) in blocks of at most
-    ``budget`` bytes, each cast by the copy and checked finite in ``target``'s dtype."""
-    _check_header(entry, target)
+@attrs.frozen(eq=False)
+class _Fill:
+    """One stored tensor filling ``target`` (a parameter or a slice of one): all of it, or the
+    ``split`` part of it (a tensor-parallel rank's share)."""
+
+    target: torch.Tensor
+    entry: Entry
+    split: Split | None = None
+
+
+def _fill(reader: ShardReader, fill: _Fill, budget: int, parts: int) -> None:
+    """Copy ``fill``'s stored tensor (its ``split`` part, read alone) into its target in blocks
+    of at most ``budget`` bytes, each cast by the copy and checked finite in the target's dtype;
+    the stored shape must be the full model's (``parts`` parts of a split dimension)."""
+    entry, target, split = fill.entry, fill.target, fill.split
+    _check_header(entry, target, split, parts)
     element = max(element_bits(entry.dtype) / 8, target.element_size())
-    for index in index_chunks(entry.shape, element, budget):
+    for index in index_chunks(target.shape, element, budget):
         part = target[index]
-        part.copy_(reader.read(entry.stored, index))
+        stored = index if split is None else split.stored_index(index, target.dim())
+        part.copy_(reader.read(entry.stored, stored))
         if part.is_floating_point() and not bool(torch.isfinite(part).all()):
             raise _value_error(reader.read(entry.stored), entry.stored, target.dtype)
 
@@ -210,8 +235,8 @@ def _check_expert_ids(table: torch.Tensor, where: Stored, num_experts: int) -> N
         )
 
 
-Fills = dict[str, list[tuple[torch.Tensor, Entry]]]
-"""Model tensor name -> the stored tensors filling it, each with the view it fills."""
+Fills = dict[str, list[_Fill]]
+"""Model tensor name -> the stored tensors filling it."""
 
 
 def _expert_fills(
@@ -219,9 +244,12 @@ def _expert_fills(
     pieces: dict[str, dict[tuple[int, str], Entry]],
     targets: dict[str, torch.Tensor],
     num_experts: int,
+    local: range,
 ) -> Fills:
     """Official per-expert ``w1``/``w3`` (gate, up) and ``w2`` (down) pieces, each filling its
-    slice of the HF stacks ``gate_up_proj`` (``w1`` rows then ``w3`` rows) and ``down_proj``."""
+    slice of the HF stacks ``gate_up_proj`` (``w1`` rows then ``w3`` rows) and ``down_proj``;
+    every expert's pieces must be stored, those of the ``local`` experts (the rank's, the first
+    at index 0 of its stacks) are read."""
     fills: Fills = {}
     for prefix, found in pieces.items():
         gate_up, down = f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
@@ -237,11 +265,11 @@ def _expert_fills(
                     )
         half = targets[gate_up].shape[1] // 2
         fills[gate_up] = [
-            (targets[gate_up][e, rows], found[(e, w)])
-            for e in range(num_experts)
+            _Fill(targets[gate_up][e - local.start, rows], found[(e, w)])
+            for e in local
             for w, rows in (("w1", slice(None, half)), ("w3", slice(half, None)))
         ]
-        fills[down] = [(targets[down][e], found[(e, "w2")]) for e in range(num_experts)]
+        fills[down] = [_Fill(targets[down][e - local.start], found[(e, "w2")]) for e in local]
     return fills
 
 
@@ -249,13 +277,14 @@ def _plain_fills(
     directory: Path,
     entries: Iterable[Entry],
     targets: dict[str, torch.Tensor],
-    config: DeepseekV4Config,
+    share: RankShare,
     claimed: frozenset[str],
     provided: frozenset[str],
 ) -> Fills:
-    """What fills each model tensor the quantized loader does not (it reads the ``claimed``
-    keys and fills the ``provided`` tensors); raises for an unexpected tensor, a scale without a
-    quantization config, or a missing tensor."""
+    """What fills each model tensor (the rank's ``share``) the quantized loader does not (it
+    reads the ``claimed`` keys and fills the ``provided`` tensors); raises for an unexpected
+    tensor, a scale without a quantization config, or a missing tensor."""
+    config = share.config
     fills: Fills = {}
     pieces: dict[str, dict[tuple[int, str], Entry]] = {}
     for entry in entries:
@@ -267,7 +296,8 @@ def _plain_fills(
         if piece is not None:
             pieces.setdefault(piece["prefix"], {})[(int(piece["expert"]), piece["w"])] = entry
         elif name in targets:
-            fills[name] = [(targets[name], entry)]
+            target = targets[name]
+            fills[name] = [_Fill(target, entry, share.split(name, target.shape))]
         elif name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         elif _QUANT_SCALE.search(key):
@@ -277,7 +307,7 @@ def _plain_fills(
             )
         else:
             raise CheckpointError(f"unexpected tensor {key!r} in {path.name}")
-    fills.update(_expert_fills(directory, pieces, targets, config.n_routed_experts))
+    fills.update(_expert_fills(directory, pieces, targets, config.n_routed_experts, share.experts))
     missing = [name for name in targets if name not in fills and name not in provided]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -292,8 +322,10 @@ def load_checkpoint(
     dtype: torch.dtype = torch.float32,
     quantization: str = "auto",
     progress: ProgressOption = "terminal",
+    parallel: TensorParallel = SINGLE,
 ) -> DeepseekV4ForCausalLM:
-    """Build the model described by ``directory/config.json`` and fill it from its safetensors.
+    """Build the model described by ``directory/config.json`` (rank ``parallel``'s share of it)
+    and fill it from its safetensors, reading only that share.
 
     ``dtype`` is the compute dtype (``dsv4.dtypes``: the fp32-kept parameters stay float32).
     The parameters are allocated once, uninitialised, in their final dtypes; each stored tensor
@@ -306,12 +338,18 @@ def load_checkpoint(
     loads (``dsv4.quantized_loading``; ``auto`` is weight-only); a plain one ignores it.
     ``progress`` receives ``dsv4.load_progress.LoadProgress`` reports: ``"terminal"`` (the
     default) draws a bar on stderr when stderr is a terminal and nothing otherwise, ``None``
-    reports nothing."""
+    reports nothing. ``parallel``: the tensor-parallel rank whose share is built and read
+    (``dsv4.sharding``; the stored tensors are the full model's); a size that does not split
+    the model raises ``dsv4.parallel.ParallelSizeError``, a quantized part that does not fit its
+    scale blocks ``QuantizationError``, each on one line."""
     from dsv4.quantized_loading import load_quantized, plan_quantized  # it imports this module
 
     directory = Path(directory)
     config = load_config(directory)
-    model = DeepseekV4ForCausalLM(config, device=device, dtype=dtype, initialize=False)
+    model = DeepseekV4ForCausalLM(
+        config, device=device, dtype=dtype, initialize=False, parallel=parallel
+    )
+    share = RankShare(config, parallel)
     targets = dict(model.state_dict(keep_vars=True))
     if config.tie_word_embeddings:
         targets.pop("lm_head.weight")
@@ -323,14 +361,17 @@ def load_checkpoint(
             entries,
             targets,
             mode=quantization,
-            num_experts=config.n_routed_experts,
+            share=share,
             tied=config.tie_word_embeddings,
         )
         claimed, provided = (plan.claimed, plan.provides) if plan else (frozenset(), frozenset())
-        fills = _plain_fills(directory, entries, targets, config, claimed, provided)
-        read = [entry.stored for pieces in fills.values() for _, entry in pieces]
-        read += plan.stored if plan is not None else []
-        tally = LoadTally({s: reader.entries[s].nbytes for s in read}, progress)
+        fills = _plain_fills(directory, entries, targets, share, claimed, provided)
+        sizes: dict[Hashable, int] = {
+            f.entry.stored: _read_bytes(f, parallel.size) for p in fills.values() for f in p
+        }
+        for stored, size in (plan.read_bytes(reader.entries) if plan else {}).items():
+            sizes[stored] = size
+        tally = LoadTally(sizes, progress)
         try:
             with torch.no_grad():
                 filled: set[str] = set()
@@ -340,14 +381,20 @@ def load_checkpoint(
                 for name, target in targets.items():
                     if name in filled:
                         continue
-                    for view, entry in fills[name]:
-                        _fill(reader, entry, view, budget)
-                        tally.done(entry.stored)
+                    for fill in fills[name]:
+                        _fill(reader, fill, budget, parallel.size)
+                        tally.done(fill.entry.stored)
                     if name.endswith(_HASH_TABLE):
-                        _check_expert_ids(target, fills[name][0][1].stored, config.n_routed_experts)
+                        stored = fills[name][0].entry.stored
+                        _check_expert_ids(target, stored, config.n_routed_experts)
         finally:
             tally.finish()
     return model
+
+
+def _read_bytes(fill: _Fill, parts: int) -> int:
+    """Stored bytes a fill reads: the whole tensor, or one of the ``parts`` of a split one."""
+    return fill.entry.nbytes // (parts if fill.split is not None else 1)
 
 
 def save_random_checkpoint(directory: str | Path, config: DeepseekV4Config, seed: int) -> Path:

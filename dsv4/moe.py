@@ -14,6 +14,13 @@ once costs no more than copying the chosen ones) and the chosen outputs are gath
 each token runs on its gathered expert weights (``[T, k, ...]``). Either way the chosen outputs
 are weighted and summed over the ``k`` slots the same way. It is a reference formulation, not a
 fast grouped-GEMM kernel.
+
+Expert and tensor parallelism (``parallel``): the router is replicated (every rank routes every
+token the same way; it is small), each rank holds a contiguous ``n_routed_experts / N`` of the
+routed experts (a choice of another rank's expert weighs zero here: ``local_choice``), and the
+shared expert is split column/row (``moe_intermediate_size / N`` of its gate and up rows, the
+matching columns of its down projection). Each rank's routed and shared partial outputs are
+added, then summed over the ranks by one all-reduce per MoE.
 """
 
 from __future__ import annotations
@@ -24,8 +31,9 @@ from torch import nn
 
 from dsv4.config import DeepseekV4Config
 from dsv4.layers import as_dtype, read_rows
+from dsv4.parallel import SINGLE, TensorParallel
 
-__all__ = ["ExpertFormulations", "Experts", "MoE", "SharedExpert"]
+__all__ = ["ExpertFormulations", "Experts", "MoE", "SharedExpert", "local_choice"]
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -166,16 +174,36 @@ class Router(nn.Module):
         return experts, weights * self.scaling
 
 
-class MoE(nn.Module):
-    """Routed experts plus the shared expert (``gate``, ``experts``, ``shared_experts``)."""
+def local_choice(
+    experts: torch.Tensor, weights: torch.Tensor, local: range
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing ``experts``/``weights`` ``[T, k]`` as seen by a rank holding experts
+    ``local``: indices into its stack (clamped into it where the expert is another rank's) and
+    the weights, zero for the other ranks' experts. Shapes stay static: no host sync."""
+    shifted = experts - local.start
+    inside = (shifted >= 0) & (shifted < len(local))
+    return shifted.clamp(0, len(local) - 1), torch.where(inside, weights, 0)
 
-    def __init__(self, config: DeepseekV4Config, layer_idx: int) -> None:
+
+class MoE(nn.Module):
+    """Routed experts plus the shared expert (``gate``, ``experts``, ``shared_experts``); with
+    tensor parallelism, this rank's share of both (see the module docstring)."""
+
+    def __init__(
+        self, config: DeepseekV4Config, layer_idx: int, parallel: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
-        size, inter, limit = config.hidden_size, config.moe_intermediate_size, config.swiglu_limit
+        size, limit = config.hidden_size, config.swiglu_limit
+        self.parallel = parallel
+        self.local_experts = parallel.share(config.n_routed_experts)
+        inter = len(parallel.share(config.moe_intermediate_size))
         self.gate = Router(config, hashed=config.mlp_layer_types[layer_idx] == "hash_moe")
-        self.experts = Experts(config.n_routed_experts, size, inter, limit)
+        self.experts = Experts(len(self.local_experts), size, config.moe_intermediate_size, limit)
         self.shared_experts = SharedExpert(size, inter, limit)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         experts, weights = self.gate(x, input_ids)
-        return self.experts(x, experts, weights) + self.shared_experts(x)
+        if self.parallel.size > 1:
+            experts, weights = local_choice(experts, weights, self.local_experts)
+        out = self.experts(x, experts, weights) + self.shared_experts(x)
+        return self.parallel.all_reduce_(out)

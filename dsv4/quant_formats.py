@@ -332,6 +332,43 @@ class QuantizedTensor:
                 )
                 yield index, part
 
+    def narrow(self, name: str, dim: int, start: int, stop: int) -> QuantizedTensor:
+        """Values ``start .. stop - 1`` of logical dimension ``dim`` (a tensor-parallel part):
+        views of their bytes and of the scales that cover them.
+
+        A part must map onto scale blocks of its own: along the FP8 rows or columns it starts on
+        a block boundary or lies within one block (its one scale row or column is then that
+        block's), along MXFP4 inputs it is whole 32-input groups; leading dimensions split
+        freely. Otherwise ``QuantizationError`` names ``name`` and the part, on one line."""
+        shape = self.shape
+        dim %= len(shape)
+        lead = len(shape) - 2
+        data: list[slice] = [slice(None)] * self.data.dim()
+        scale: list[slice] = [slice(None)] * self.scale.dim()
+        if dim < lead:
+            data[dim] = scale[dim] = slice(start, stop)
+            return QuantizedTensor(
+                self.format, self.data[tuple(data)], self.scale[tuple(scale)], self.block_size
+            )
+        block = self.block_size[dim - lead]
+        packed = self.format == "mxfp4" and dim == len(shape) - 1
+        if packed:
+            fits = start % block == 0 and stop % block == 0
+        else:
+            fits = start % block == 0 or start // block == (stop - 1) // block
+        if not fits:
+            kind = "32-input MXFP4 groups" if packed else f"{block}-wide FP8 scale blocks"
+            raise QuantizationError(
+                f"tensor {name!r} cannot be split for tensor parallelism: the part "
+                f"{start}..{stop - 1} of dimension {dim} does not fit {kind} (a part must start "
+                "on a block boundary or lie within one block)"
+            )
+        data[dim] = slice(start // 2, stop // 2) if packed else slice(start, stop)
+        scale[dim] = slice(start // block, -(-stop // block))
+        return QuantizedTensor(
+            self.format, self.data[tuple(data)], self.scale[tuple(scale)], self.block_size
+        )
+
     @property
     def shape(self) -> torch.Size:
         """The logical (dequantized) shape."""

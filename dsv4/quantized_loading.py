@@ -25,6 +25,12 @@
      into their slice of the stack).
    It returns the names it filled; ``load_checkpoint`` fills the others.
 
+Tensor parallelism (``share``, a ``dsv4.sharding.RankShare``): a split weight is validated
+against the full model's shape, then only the rank's part is taken (``QuantizedTensor.narrow``:
+views of the memory-mapped bytes and scales, so only those pages are read; a part that does not
+fit the scale blocks is refused on one line); of the routed experts only the rank's pieces are
+read, into stacks of the rank's experts.
+
 Invariants: every failure is a ``CheckpointError`` (``QuantizationError`` for the layout,
 ``TensorValueError`` for values) on one line naming the tensor as the file names it and the
 file; ``load_checkpoint`` returns a model only when every tensor was filled. No temporary is
@@ -63,6 +69,7 @@ from dsv4.quantization import (
 )
 from dsv4.quantized_values import Pair, check_values, dequantize_into
 from dsv4.shard_reader import Entry, ShardReader, Stored
+from dsv4.sharding import RankShare, Split, split_dim
 
 __all__ = ["LOAD_MODES", "QuantizedPlan", "Stored", "load_quantized", "plan_quantized"]
 
@@ -82,7 +89,8 @@ class QuantizedPlan:
 
     config: QuantizationConfig
     mode: QuantizationMode
-    num_experts: int
+    share: RankShare
+    """What the loading rank holds (the whole model for one rank)."""
     weights: Mapping[str, Pair]
     """Canonical model tensor name -> its quantized weight and scale."""
     experts: Mapping[str, Mapping[tuple[int, str], Pair]]
@@ -94,11 +102,22 @@ class QuantizedPlan:
         stacks = (f"{p}.{s}" for p in self.experts for s in _STACK_PARTS)
         return frozenset((*self.weights, *stacks))
 
-    @property
-    def stored(self) -> list[Stored]:
-        """Every weight and scale the plan reads."""
-        pairs = [*self.weights.values(), *(p for f in self.experts.values() for p in f.values())]
-        return [s for pair in pairs for s in pair if s is not None]
+    def read_bytes(self, entries: Mapping[Stored, Entry]) -> dict[Stored, int]:
+        """Every weight and scale the plan reads, with the stored bytes it reads of each (a
+        split weight's part, only the rank's experts' pieces)."""
+        parts = self.share.parallel.size
+        local = self.share.experts
+        sizes: dict[Stored, int] = {}
+        for name, pair in self.weights.items():
+            split = split_dim(name) is not None and parts > 1
+            for stored in pair:
+                if stored is not None:
+                    sizes[stored] = entries[stored].nbytes // (parts if split else 1)
+        for found in self.experts.values():
+            for (e, _), pair in found.items():
+                if e in local:
+                    sizes.update({s: entries[s].nbytes for s in pair if s is not None})
+        return sizes
 
 
 def _raw_config(directory: Path) -> Any:
@@ -114,12 +133,13 @@ def plan_quantized(
     targets: Mapping[str, torch.Tensor],
     *,
     mode: str,
-    num_experts: int,
+    share: RankShare,
     tied: bool,
 ) -> QuantizedPlan | None:
     """The plan for a quantized checkpoint, ``None`` for a plain one (see the module
-    docstring); ``entries`` are the checkpoint's stored tensors, ``mode`` one of
-    ``LOAD_MODES``."""
+    docstring); ``entries`` are the checkpoint's stored tensors, ``targets`` the tensors of
+    ``share``'s model, ``mode`` one of ``LOAD_MODES``."""
+    num_experts = share.config.n_routed_experts
     if mode not in LOAD_MODES:
         raise CheckpointError(f"quantization {mode!r} is not one of {', '.join(LOAD_MODES)}")
     config = QuantizationConfig.from_hf_config(_raw_config(directory))
@@ -167,7 +187,7 @@ def plan_quantized(
     return QuantizedPlan(
         config=config,
         mode=chosen,
-        num_experts=num_experts,
+        share=share,
         weights=weights,
         experts=experts,
         claimed=frozenset(claimed),
@@ -218,10 +238,14 @@ def load_quantized(
     ``reader`` in blocks of at most ``max_values`` values and reporting each stored tensor to
     ``tally``; return the names filled."""
     weight_only = plan.mode == "weight-only"
+    share = plan.share
+    local = share.experts
     resident: dict[torch.dtype, dict[str, QuantizedTensor]] = {}
     for name, pair in plan.weights.items():
         target = targets[name]
-        qt = _decode(reader, pair, plan.config, target.shape, routed=False)
+        split = share.split(name, target.shape)
+        full = share.full_shape(name, target.shape)
+        qt = _share_of(_decode(reader, pair, plan.config, full, routed=False), split, pair)
         if weight_only and _installable(model, name):
             check_values(qt, target.dtype, pair, max_values=max_values)
             resident.setdefault(target.dtype, {})[name] = _owned(qt, target.device, max_values)
@@ -233,15 +257,18 @@ def load_quantized(
         half = gate_up.shape[1] // 2
         slots = {"w1": gate_up[:, :half], "w3": gate_up[:, half:], "w2": down}
         stacks = {
-            stack: _ExpertStack(f"{prefix}.{stack}", parts, plan.num_experts, gate_up.device)
+            stack: _ExpertStack(f"{prefix}.{stack}", parts, len(local), gate_up.device)
             for stack, parts in _STACK_PARTS.items()
         }
         for (e, w), pair in sorted(found.items()):
-            slot = slots[w][e]
+            if e not in local:
+                continue
+            slot = slots[w][e - local.start]
             qt = _decode(reader, pair, plan.config, slot.shape, routed=True)
             if weight_only:
                 check_values(qt, slot.dtype, pair, max_values=max_values)
-                stacks["down_proj" if w == "w2" else "gate_up_proj"].put(e, w, qt, max_values)
+                stack = stacks["down_proj" if w == "w2" else "gate_up_proj"]
+                stack.put(e - local.start, w, qt, max_values)
             else:
                 dequantize_into(qt, slot, pair, max_values=max_values)
             _report(tally, pair)
@@ -251,6 +278,17 @@ def load_quantized(
     for dtype, group in resident.items():
         install_weight_only(model, group, dtype)
     return set(plan.provides)
+
+
+def _share_of(qt: QuantizedTensor, split: Split | None, pair: Pair) -> QuantizedTensor:
+    """The rank's ``split`` part of ``qt`` (all of it for ``None``)."""
+    if split is None:
+        return qt
+    weight = pair[0]
+    try:
+        return qt.narrow(weight.key, split.dim, split.start, split.stop)
+    except QuantizationError as exc:
+        raise QuantizationError(f"{exc} (in {weight.path.name})") from None
 
 
 def _report(tally: LoadTally, pair: Pair) -> None:
@@ -328,7 +366,7 @@ def _decode(
     reader: ShardReader,
     pair: Pair,
     config: QuantizationConfig,
-    expected: torch.Size,
+    expected: torch.Size | tuple[int, ...],
     *,
     routed: bool,
 ) -> QuantizedTensor:

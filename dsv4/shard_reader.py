@@ -33,7 +33,8 @@ from dsv4.errors import CheckpointError
 __all__ = ["Entry", "Index", "ShardReader", "Stored", "element_bits", "index_chunks"]
 
 Index = tuple[int | slice, ...]
-"""An index into a tensor: integers for leading dimensions, then at most one slice."""
+"""An index into a tensor: an integer or a slice per dimension (``index_chunks`` makes integers
+for leading dimensions, then at most one slice; a tensor-parallel part slices any one)."""
 
 _ELEMENT_BITS = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 _MAX_HEADER = 100_000_000

@@ -37,6 +37,8 @@ from dsv4.cache import allocate_kv_caches, entry_rate
 from dsv4.config import CSA, HCA, SLIDING, DeepseekV4Config, YarnScaling
 from dsv4.metadata import new_metadata
 from dsv4.model import DeepseekV4ForCausalLM
+from dsv4.parallel import SINGLE, TensorParallel
+from dsv4.sharding import shard_model
 from dsv4.weights import randomize_
 from graphs import ForwardContext, forward_context
 
@@ -170,12 +172,16 @@ def _shuffled_blocks(needs: Sequence[int], rng: random.Random) -> tuple[list[tup
 
 
 def random_model(
-    config: DeepseekV4Config, seed: int, device: torch.device | str = "cpu"
+    config: DeepseekV4Config,
+    seed: int,
+    device: torch.device | str = "cpu",
+    parallel: TensorParallel = SINGLE,
 ) -> DeepseekV4ForCausalLM:
-    """A model of ``config`` with random unit-scale weights, a pure function of ``seed``."""
+    """A model of ``config`` with random unit-scale weights, a pure function of ``seed``; with
+    ``parallel``, rank ``parallel``'s share of that same model (``shard_model``)."""
     model = DeepseekV4ForCausalLM(config, device=device)
     randomize_(model, seed, num_experts=config.n_routed_experts)
-    return model.eval()
+    return model.eval() if parallel.size == 1 else shard_model(model, parallel)
 
 
 yarns = st.none() | st.builds(
@@ -196,16 +202,19 @@ def layer_types(layers: int) -> st.SearchStrategy[list[str]]:
 
 
 @st.composite
-def configs(draw: st.DrawFn, *, max_layers: int = 3) -> DeepseekV4Config:
-    """A random tiny configuration (every constraint of the config satisfied)."""
+def configs(draw: st.DrawFn, *, max_layers: int = 3, parallel: int = 1) -> DeepseekV4Config:
+    """A random tiny configuration (every constraint of the config satisfied) that a
+    tensor-parallel size ``parallel`` up to 8 splits (output groups and routed experts are
+    multiples of it; the vocabulary, 64, and the intermediate sizes, 8 or 16, divide it);
+    ``parallel=1`` draws exactly as before."""
     layers = draw(st.integers(1, max_layers))
-    o_groups = draw(st.integers(1, 2))
+    o_groups = parallel * draw(st.integers(1, 2))
     heads = o_groups * draw(st.integers(1, 2))
     head_dim = draw(st.sampled_from([8, 12, 16]))
     rope_dim = draw(st.sampled_from([d for d in (2, 4, 6, 8) if d <= head_dim]))
     factor = rope_dim / head_dim
     assume(int(head_dim * factor) == rope_dim)
-    experts = draw(st.integers(1, 5))
+    experts = parallel * draw(st.integers(1, max(1, 5 // parallel)))
     return DeepseekV4Config(
         vocab_size=VOCAB,
         hidden_size=draw(st.sampled_from([16, 32])),

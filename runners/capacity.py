@@ -101,20 +101,29 @@ class Capacity:
         if self.kv_cache_memory is not None:
             _PoolSizes.of(config, dtype, self.block_size).require_a_block(self.kv_cache_memory)
 
+    def budget(self, device: torch.device) -> int:
+        """The KV budget in bytes on ``device`` (see the invariants)."""
+        if self.kv_cache_memory is not None:
+            return self.kv_cache_memory
+        if self.memory_fraction is not None:
+            return int(free_memory(device) * self.memory_fraction)
+        budget = int(free_memory(device) * DEFAULT_MEMORY_FRACTION)
+        return min(budget, DEFAULT_CPU_KV_CACHE_MEMORY) if device.type == "cpu" else budget
+
     def plan(
-        self, config: DeepseekV4Config, dtype: torch.dtype, device: torch.device, chunk: int
+        self,
+        config: DeepseekV4Config,
+        dtype: torch.dtype,
+        device: torch.device,
+        chunk: int,
+        *,
+        budget: int | None = None,
     ) -> CapacityPlan:
         """The layout for ``config``'s caches in ``dtype`` on ``device``, for steps of at most
-        ``chunk`` tokens (see the invariants)."""
+        ``chunk`` tokens, within ``budget`` bytes (default: ``budget(device)``; the ranks of a
+        parallel run pass their smallest, so they all plan the same layout)."""
         self.check(config, dtype)
-        if self.kv_cache_memory is not None:
-            budget = self.kv_cache_memory
-        elif self.memory_fraction is not None:
-            budget = int(free_memory(device) * self.memory_fraction)
-        else:
-            budget = int(free_memory(device) * DEFAULT_MEMORY_FRACTION)
-            if device.type == "cpu":
-                budget = min(budget, DEFAULT_CPU_KV_CACHE_MEMORY)
+        budget = self.budget(device) if budget is None else budget
         sizes = _PoolSizes.of(config, dtype, self.block_size)
         sizes.require_a_block(budget)
         declared = config.max_position_embeddings

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dsv4.parallel as model_parallel
+
 __all__ = [
     "CaptureSizeError",
     "ParallelSizeError",
@@ -31,8 +33,9 @@ class UnknownEagerRegionError(ResolutionError):
     """An eager-region name that is not one of the four strategies (or ``auto``)."""
 
 
-class ParallelSizeError(ResolutionError):
-    """A parallel size that is not an integer >= 1."""
+class ParallelSizeError(ResolutionError, model_parallel.ParallelSizeError):
+    """A parallel size that is not an integer >= 1 (the resolution's refusal; the model's, of a
+    size that does not divide it, is the base class ``dsv4.parallel.ParallelSizeError``)."""
 
 
 class UnsafeRegionError(ResolutionError):

@@ -27,11 +27,14 @@ from pathlib import Path
 
 import attrs
 import torch
+import torch.distributed as dist
 
 from dsv4 import DeepseekV4Config, DeepseekV4ForCausalLM, load_checkpoint
 from dsv4.config import ARCHITECTURE
 from dsv4.dtypes import COMPUTE_DTYPES, DTYPE_CHOICES, dtype_name, resolve_dtype
 from dsv4.hf_config import checkpoint_architecture, load_config
+from dsv4.parallel import SINGLE, TensorParallel, check_parallel_size
+from dsv4.sharding import shard_model
 from dsv4.weights import randomize_
 from graphs.audit import AuditMode
 from platforms import Platform, current_platform, get_platform, simulate
@@ -39,7 +42,7 @@ from runners.base import DEFAULT_MAX_GRAPH_CONTEXTS, ModelRunner
 from runners.batch import DEFAULT_CAPTURE_SIZES, DEFAULT_FIRST_CONTEXT_BUCKET
 from runners.capacity import Capacity, CapacityPlan, MaxModelLenCappedWarning
 from runners.engine import LLM
-from runners.errors import UnsupportedDtypeError
+from runners.errors import ParallelSizeError, UnsupportedDtypeError
 from runners.layout import CacheLayout
 from runners.resolution import Resolution, resolve
 
@@ -53,6 +56,7 @@ __all__ = [
     "capacity_of",
     "compute_dtype_of",
     "config_of",
+    "parallel_of",
     "require_dtype",
     "resolve_platform",
     "resolve_spec",
@@ -137,19 +141,38 @@ def compute_dtype_of(spec: EngineSpec) -> torch.dtype:
 
 def build_model(spec: EngineSpec) -> DeepseekV4ForCausalLM:
     """Load ``spec.checkpoint``, or build the built-in tiny model with fixed-seed weights, in
-    the compute dtype ``spec.dtype`` stands for."""
+    the compute dtype ``spec.dtype`` stands for; at a tensor-parallel size above 1, this rank's
+    share of it (``parallel_of``)."""
     dtype = compute_dtype_of(spec)
+    parallel = parallel_of(spec)
     if spec.checkpoint is not None:
         return load_checkpoint(
             spec.checkpoint,
             dtype=dtype,
             quantization=spec.quantization,
             progress="terminal" if spec.load_progress else None,
+            parallel=parallel,
         )
     config = config_of(spec)
     model = DeepseekV4ForCausalLM(config, dtype=dtype)
     randomize_(model, spec.builtin_seed, num_experts=config.n_routed_experts)
-    return model
+    return model if parallel.size == 1 else shard_model(model, parallel)
+
+
+def parallel_of(spec: EngineSpec) -> TensorParallel:
+    """The tensor-parallel rank this process is for ``spec``: ``SINGLE`` at size 1, else its
+    rank of the default process group, which must have ``spec.tensor_parallel_size`` ranks
+    (``runners.distributed`` starts them)."""
+    size = spec.tensor_parallel_size
+    if size == 1:
+        return SINGLE
+    if not dist.is_initialized() or dist.get_world_size() != size:
+        raise ParallelSizeError(
+            f"tensor_parallel_size {size} needs a process group of {size} ranks: run under "
+            "torchrun, or use dsv4 --tensor-parallel-size, which starts them"
+        )
+    check_parallel_size(config_of(spec), size)
+    return TensorParallel.from_default_group()
 
 
 def architecture_of(spec: EngineSpec) -> str:
@@ -186,16 +209,24 @@ def build_engine(spec: EngineSpec, *, model: DeepseekV4ForCausalLM | None = None
     dtype = compute_dtype_of(spec) if model is None else model.compute_dtype
     require_dtype(platform, dtype)
     capacity = capacity_of(spec)
+    config = model.config if model is not None else config_of(spec)
+    if spec.tensor_parallel_size > 1:
+        check_parallel_size(config, spec.tensor_parallel_size)
     if spec.layout is None:
-        capacity.check(model.config if model is not None else config_of(spec), dtype)
+        capacity.check(config, dtype)
     if model is None:
         model = build_model(spec)
     model = model.to(platform.device)
     plan = None
     layout = spec.layout
     if layout is None:
+        budget = capacity.budget(platform.device)
+        if model.parallel.size > 1:  # every rank plans the same layout: the smallest budget
+            smallest = torch.tensor([budget], dtype=torch.int64)
+            dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=model.parallel.group)
+            budget = int(smallest.item())
         plan = capacity.plan(
-            model.config, model.compute_dtype, platform.device, spec.max_num_tokens
+            model.config, model.compute_dtype, platform.device, spec.max_num_tokens, budget=budget
         )
         layout = plan.layout
         if plan.note is not None:
@@ -209,6 +240,7 @@ def build_engine(spec: EngineSpec, *, model: DeepseekV4ForCausalLM | None = None
         audit=spec.audit,
         first_context_bucket=spec.first_context_bucket,
         max_graph_contexts=spec.max_graph_contexts,
+        collectives_in_graph=resolution.collectives_in_graph,
     )
     return Engine(resolution=resolution, runner=runner, llm=LLM(runner), capacity=plan)
 
@@ -254,6 +286,7 @@ def build_runner(
     audit: AuditMode = "raise",
     first_context_bucket: int = DEFAULT_FIRST_CONTEXT_BUCKET,
     max_graph_contexts: int = DEFAULT_MAX_GRAPH_CONTEXTS,
+    collectives_in_graph: bool = True,
 ) -> ModelRunner:
     """The runner class ``resolution`` chose, over ``model``, with the resolved graph modes and
     eager region (the model itself is not changed)."""
@@ -269,4 +302,5 @@ def build_runner(
         audit=audit,
         first_context_bucket=first_context_bucket,
         max_graph_contexts=max_graph_contexts,
+        collectives_in_graph=collectives_in_graph,
     )

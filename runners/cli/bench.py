@@ -27,6 +27,7 @@ from runners.cli.options import (
     SIMULATE_HELP,
     add_capacity_options,
     add_dtype_option,
+    add_parallel_option,
     add_quantization_option,
     capacity_fields,
     parse_positive_int_list,
@@ -76,6 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rounds", type=at_least(1), default=3, help="throughput rounds (default: 3)"
     )
     add_capacity_options(parser)
+    add_parallel_option(parser)
     add_sweep_arguments(parser)
 
 

@@ -1,9 +1,10 @@
 """Turning failures into the CLI's one-line errors.
 
 Exit codes: 2 for bad usage (unknown options or names, malformed values, a compute dtype the
-platform cannot compute in, a capacity the model or the memory cannot serve), 1 for everything
-else the user can act on (a missing or broken checkpoint, a request that cannot fit, a refused
-region), 3 for an internal error (a bug: the message says how to get the traceback).
+platform cannot compute in, a capacity the model or the memory cannot serve, a parallel size
+the model cannot be split into), 1 for everything else the user can act on (a missing or broken
+checkpoint, a request that cannot fit, a refused region, a failed rank), 3 for an internal
+error (a bug: the message says how to get the traceback).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import sys
 import traceback
 
+from dsv4.parallel import ParallelSizeError
 from platforms.errors import UnknownPlatformError
 from runners.capacity import CapacityError
 from runners.errors import UnsupportedDtypeError
@@ -34,7 +36,8 @@ def _one_line(message: str) -> str:
 def report_failure(command: str, exc: BaseException) -> int:
     """Print ``exc`` as one line on stderr and return the exit code for it (an unknown platform
     name is a bad flag value: it can only have come from ``--platform`` or ``DSV4_PLATFORM``)."""
-    if isinstance(exc, (UsageError, UnknownPlatformError, UnsupportedDtypeError, CapacityError)):
+    usage = (UsageError, UnknownPlatformError, UnsupportedDtypeError, CapacityError)
+    if isinstance(exc, (*usage, ParallelSizeError)):
         code = EXIT_USAGE
     elif isinstance(exc, (ValueError, LookupError, RuntimeError, OSError)):
         code = EXIT_RUNTIME

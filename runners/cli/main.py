@@ -14,8 +14,9 @@ import json
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from types import ModuleType
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import runners.cli.bench as bench
 import runners.cli.bench_load as bench_load
@@ -23,7 +24,11 @@ import runners.cli.explain as explain
 import runners.cli.init_checkpoint as init_checkpoint
 import runners.cli.matrix as matrix
 import runners.cli.run as run
+from dsv4.parallel import check_parallel_size
 from runners.cli.errors import UsageError, report_failure
+from runners.cli.options import parallel_backend
+from runners.distributed import execute_ranked, torchrun_world
+from runners.spec import EngineSpec, config_of
 
 __all__ = ["build_parser", "main"]
 
@@ -91,18 +96,41 @@ def _run(command_name: str, args_list: list[str]) -> int:
         if args.command is None:
             raise UsageError("a command is required: " + ", ".join(COMMANDS))
         module = COMMANDS[args.command]
-        payload = module.execute(args)
+        payload = _execute(module, args)
     except KeyboardInterrupt:
         print(f"dsv4 {command_name}: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
         return report_failure(command_name or "", exc)
+    if payload is None:  # a rank other than 0 of a parallel run: rank 0 speaks
+        return 0
     if args.json:
         print(json.dumps(payload, sort_keys=False))
     else:
         print(module.render(payload))
     exit_code = getattr(module, "exit_code", None)
     return int(exit_code(payload)) if exit_code is not None else 0
+
+
+PARALLEL_COMMANDS = frozenset({"run", "matrix", "bench"})
+"""The commands that build engines, so run on every rank of a parallel run; under ``torchrun``
+any other runs on rank 0 alone."""
+
+
+def _execute(module: ModuleType, args: argparse.Namespace) -> dict[str, Any] | None:
+    """``module.execute(args)``, on every rank of a parallel run (``runners.distributed``)."""
+    world = torchrun_world()
+    if args.command not in PARALLEL_COMMANDS:
+        return dict(module.execute(args)) if world is None or world.rank == 0 else None
+    size = args.tensor_parallel_size
+    if size == 1 and world is None:
+        return dict(module.execute(args))
+    if world is None:  # refuse a size the model cannot split before any process starts
+        checkpoint = Path(args.checkpoint) if args.checkpoint else None
+        check_parallel_size(config_of(EngineSpec(checkpoint=checkpoint)), size)
+    platforms_of = getattr(module, "parallel_platforms", lambda a: [a.platform])
+    backend = parallel_backend(platforms_of(args), simulate=args.simulate)
+    return execute_ranked(module.execute, args, size, backend)
 
 
 if __name__ == "__main__":

@@ -21,10 +21,12 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from platforms import platform_names
 from runners.cli.options import (
     SIMULATE_HELP,
     add_capacity_options,
     add_dtype_option,
+    add_parallel_option,
     add_quantization_option,
     capacity_fields,
     parse_positive_int_list,
@@ -90,6 +92,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch CPU threads (default: 1 up to hidden size 512, else one per core)",
     )
     add_capacity_options(parser)
+    add_parallel_option(parser)
+
+
+def parallel_platforms(args: argparse.Namespace) -> list[str]:
+    """The platforms the matrix covers (for ``--tensor-parallel-size``'s process group)."""
+    return list(dict.fromkeys(args.platform or platform_names()))
 
 
 def execute(args: argparse.Namespace) -> dict[str, Any]:

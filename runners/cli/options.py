@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from dsv4.dtypes import DTYPE_CHOICES
@@ -15,6 +15,7 @@ from runners.cli.errors import UsageError
 from runners.cli.values import at_least, byte_count, probability
 from runners.modes import CUDAGraphMode
 from runners.resolution import RUNNERS
+from runners.spec import resolve_platform
 
 __all__ = [
     "DTYPE_CHOICES",
@@ -27,9 +28,11 @@ __all__ = [
     "add_capacity_options",
     "add_dtype_option",
     "add_model_options",
+    "add_parallel_option",
     "add_policy_options",
     "add_quantization_option",
     "capacity_fields",
+    "parallel_backend",
     "parse_int_list",
     "parse_positive_int_list",
     "parse_token_ids",
@@ -102,6 +105,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         help="torch CPU threads (default: 1 up to hidden size 512, else one per core)",
     )
     add_capacity_options(parser)
+    add_parallel_option(parser)
 
 
 def add_capacity_options(parser: argparse.ArgumentParser) -> None:
@@ -167,6 +171,35 @@ def add_capacity_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_parallel_option(parser: argparse.ArgumentParser) -> None:
+    """``--tensor-parallel-size``: the ranks a run is split across (``runners.distributed``)."""
+    parser.add_argument_group("parallelism").add_argument(
+        "--tensor-parallel-size",
+        type=at_least(1),
+        default=1,
+        metavar="N",
+        help="split the model across N local worker processes (torch.distributed: gloo on the "
+        "CPU, nccl on GPUs); under torchrun, the world torchrun started (default: 1)",
+    )
+
+
+def parallel_backend(names: Sequence[str | None], *, simulate: bool) -> str:
+    """The process-group backend of the platforms ``names`` (``None``: the current one) a
+    command runs on: ``gloo`` where they run on the CPU (simulated or not available here),
+    else the platform's own; one line (exit 2) when a command would mix them."""
+    backends = set()
+    for name in names:
+        platform = resolve_platform(name, simulated=simulate)
+        runs_on_cpu = platform.device.type == "cpu" or not platform.is_available()
+        backends.add("gloo" if runs_on_cpu else platform.distributed_backend)
+    if len(backends) > 1:
+        raise UsageError(
+            f"--tensor-parallel-size runs one process group; these platforms need "
+            f"{' and '.join(sorted(backends))}: cover them in separate runs"
+        )
+    return backends.pop()
+
+
 def capacity_fields(args: argparse.Namespace) -> dict[str, Any]:
     """``EngineSpec`` fields of the capacity options (and the token budget, at least the
     largest capture size)."""
@@ -185,6 +218,7 @@ def capacity_fields(args: argparse.Namespace) -> dict[str, Any]:
     }
     return {
         **buckets,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "max_num_tokens": tokens,
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
