@@ -24,6 +24,7 @@ expert's intermediate size and the vocabulary (no padding: every logit is a real
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import attrs
@@ -33,7 +34,14 @@ import torch.distributed as dist
 from dsv4.config import DeepseekV4Config
 from graphs import eager_break_during_capture, get_forward_context
 
-__all__ = ["SINGLE", "ParallelSizeError", "TensorParallel", "check_parallel_size"]
+__all__ = [
+    "COLLECTIVES",
+    "SINGLE",
+    "CollectiveClock",
+    "ParallelSizeError",
+    "TensorParallel",
+    "check_parallel_size",
+]
 
 
 class ParallelSizeError(ValueError):
@@ -75,14 +83,38 @@ def _collectives_in_graph() -> bool:
         return True
 
 
+@attrs.define
+class CollectiveClock:
+    """Host seconds spent in this process's collectives, and how many ran (eager calls and
+    eager breaks replayed; a collective captured into a device graph runs inside the graph and
+    is not seen here). On the CPU a gloo collective returns when it is done, so these are its
+    wall time, the wait for the slowest rank included."""
+
+    seconds: float = 0.0
+    calls: int = 0
+
+    def reset(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+
+
+COLLECTIVES = CollectiveClock()
+"""This process's clock (``dsv4 bench`` reads it: the share of a step spent in collectives)."""
+
+
 def _all_reduce(group: Any, tensor: torch.Tensor) -> None:
+    start = time.perf_counter()
     dist.all_reduce(tensor, group=group)
+    COLLECTIVES.seconds += time.perf_counter() - start
+    COLLECTIVES.calls += 1
 
 
 def _all_gather_into(group: Any, out: torch.Tensor, tensor: torch.Tensor) -> None:
     """``out [size, *tensor.shape]``: row ``r`` is rank ``r``'s ``tensor``."""
+    start = time.perf_counter()
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, tensor.unsqueeze(0), group=group)
+    COLLECTIVES.seconds += time.perf_counter() - start
+    COLLECTIVES.calls += 1
 
 
 _all_reduce_break = eager_break_during_capture(_all_reduce)

@@ -298,8 +298,12 @@ def test_full_never_survives_collectives_that_must_break(
     else:
         assert r.decode_mode is CUDAGraphMode.PIECEWISE
         assert r.mixed_mode == alone.mixed_mode
+        why = (
+            "breaks around collectives on the CPU tape"
+            if platform.collectives_capturable
+            else "cannot capture collectives"
+        )
         assert (
-            f"decode batches: FULL downgraded to PIECEWISE: platform {platform.name} cannot "
-            f"capture collectives at tensor parallel size {size}, and a full graph has no eager "
-            "break"
+            f"decode batches: FULL downgraded to PIECEWISE: platform {platform.name} {why} at "
+            f"tensor parallel size {size}, and a full graph has no eager break"
         ) in r.reasons
