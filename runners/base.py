@@ -329,15 +329,15 @@ class ModelRunner(abc.ABC):
                 raise RunnerInputError(f"{where}: {len(ids)} token ids for {chunk.num_tokens}")
             if not 0 <= chunk.row < self.layout.max_rows:
                 raise RunnerInputError(f"{where} is outside 0..{self.layout.max_rows - 1}")
-            if any(not 0 <= b < self.layout.num_blocks for b in chunk.block_ids):
-                raise RunnerInputError(
-                    f"{where}: block ids {chunk.block_ids} outside 0..{self.layout.num_blocks - 1}"
-                )
-            entries = self.layout.num_entry_blocks
-            if any(not 0 <= b < entries for b in chunk.entry_block_ids):
-                raise RunnerInputError(
-                    f"{where}: entry block ids {chunk.entry_block_ids} outside 0..{entries - 1}"
-                )
+            for what, blocks, pool in (
+                ("block", chunk.block_ids, self.layout.num_blocks),
+                ("entry block", chunk.entry_block_ids, self.layout.num_entry_blocks),
+            ):
+                bad = [b for b in blocks if not 0 <= b < pool]
+                if bad:
+                    raise RunnerInputError(
+                        f"{where}: {len(bad)} {what} ids outside 0..{pool - 1} (first: {bad[0]})"
+                    )
             if any(not 0 <= t < self.vocab_size for t in ids):
                 raise RunnerInputError(f"{where}: token ids outside 0..{self.vocab_size - 1}")
         total = sum(chunk.num_tokens for chunk in chunks)

@@ -186,5 +186,10 @@ def render(payload: dict[str, Any]) -> str:
             f"(same tokens as its uncached forward: {gen['same_tokens_as_uncached_forward']}, "
             f"as its generate: {gen['same_tokens_as_generate']})"
         )
+    if payload["tensor_parallel_size"] > 1:
+        lines.append(
+            f"tensor parallel size {payload['tensor_parallel_size']}: rank 0 spent "
+            f"{payload['collective_share_of_decode']:.1%} of the decode timing in collectives"
+        )
     lines.append(f"method: {payload['method']}")
     return "\n".join(lines)

@@ -248,12 +248,13 @@ class _PeakLiveBytes(QuietDispatchMode):
 def eager_step_peak_bytes(runner: ModelRunner, num_tokens: int) -> int:
     """Peak live bytes allocated by one eager step of ``num_tokens`` prompt tokens on ``runner``
     (whose graph mode should be ``NONE``), rows of at most one block table's reach each."""
-    row_blocks = runner.layout.max_blocks_per_row
-    per_row = min(num_tokens, runner.layout.block_size * row_blocks - 1)
-    chunks, ids = [], []
+    size = runner.layout.block_size
+    per_row = min(num_tokens, size * runner.layout.max_blocks_per_row - 1)
+    chunks, ids, first = [], [], 0
     for row, start in enumerate(range(0, num_tokens, per_row)):
         count = min(per_row, num_tokens - start)
-        blocks = tuple(range(row * row_blocks, (row + 1) * row_blocks))
+        blocks = tuple(range(first, first + -(-count // size)))  # the blocks it needs only
+        first += len(blocks)
         chunks.append(ScheduledChunk(row=row, block_ids=blocks, start_position=0, num_tokens=count))
         ids.append([(3 * i + row) % runner.vocab_size for i in range(count)])
     tracker = _PeakLiveBytes()

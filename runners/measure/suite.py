@@ -11,6 +11,7 @@ transformers', when asked). Every interval waits for the device to finish the wo
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ import attrs
 import torch
 
 from dsv4.dtypes import dtype_name
+from dsv4.parallel import COLLECTIVES
 from runners.errors import ResolutionError
 from runners.measure.benchmark import (
     GenerationThroughput,
@@ -62,7 +64,9 @@ def run_benchmark(
     progress("timing decode steps")
     payload["configurations"] = _configurations(spec)
     runnable = [n for n, c in payload["configurations"].items() if "refused" not in c]
-    payload["decode"] = _decode(spec, options, runnable)
+    payload["decode"], share = _decode(spec, options, runnable)
+    payload["tensor_parallel_size"] = base.tensor_parallel_size
+    payload["collective_share_of_decode"] = round(share, 3)
     progress("timing generation")
     payload["generation"] = _generation(base, spec, options)
     return payload
@@ -117,14 +121,20 @@ def _configurations(spec: EngineSpec) -> dict[str, dict[str, Any]]:
     return configurations
 
 
-def _decode(spec: EngineSpec, options: BenchOptions, names: list[str]) -> list[dict[str, Any]]:
+def _decode(
+    spec: EngineSpec, options: BenchOptions, names: list[str]
+) -> tuple[list[dict[str, Any]], float]:
     """Median decode-step latency per configuration in ``names`` (those the platform does not
-    refuse), thread count and batch size; a ratio with a refused side is ``None``."""
+    refuse), thread count and batch size (a ratio with a refused side is ``None``); and the
+    share of the decode timing's wall time this rank spent in collectives (0 on one rank)."""
     runners = decode_runners(spec, lambda: build_model(spec), names)
+    COLLECTIVES.reset()
+    start = time.perf_counter()
     latencies = decode_latency(
         runners, batch_sizes=options.batch_sizes, threads=options.threads, repeats=options.repeats
     )
-    return [
+    share = COLLECTIVES.seconds / (time.perf_counter() - start)
+    rows = [
         {
             "threads": row.threads,
             "batch_size": row.batch_size,
@@ -136,6 +146,7 @@ def _decode(spec: EngineSpec, options: BenchOptions, names: list[str]) -> list[d
         }
         for row in latencies
     ]
+    return rows, share
 
 
 def _generation(base: EngineSpec, spec: EngineSpec, options: BenchOptions) -> dict[str, Any]:

@@ -187,7 +187,16 @@ def test_the_runner_owns_its_caches_region_and_limits() -> None:
         (
             [ScheduledChunk(row=0, block_ids=(99,), start_position=0, num_tokens=1)],
             [[1]],
-            "block ids",
+            r"row 0: 1 block ids outside 0..47 \(first: 99\)",
+        ),
+        (
+            [
+                ScheduledChunk(
+                    row=0, block_ids=(1,), start_position=0, num_tokens=1, entry_block_ids=(48,)
+                )
+            ],
+            [[1]],
+            r"row 0: 1 entry block ids outside 0..47 \(first: 48\)",
         ),
         ([chunk(0, 0, 1)], [[320]], "token ids outside 0..319"),
         (
