@@ -33,9 +33,10 @@ def _outputs(capsys: pytest.CaptureFixture[str], argv: list[str]) -> list[list[i
     return [o["output_ids"] for o in payload["outputs"]]
 
 
-@pytest.mark.parametrize(
-    "mode", ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
-)
+MODES = ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_two_ranks_give_the_tokens_of_one_in_every_graph_mode(
     capsys: pytest.CaptureFixture[str], mode: str
 ) -> None:
@@ -50,11 +51,22 @@ def transformers_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-def test_a_transformers_checkpoint_on_two_ranks(
+def test_a_transformers_checkpoint_on_two_ranks_in_every_graph_mode(
     capsys: pytest.CaptureFixture[str], transformers_checkpoint: Path
 ) -> None:
     argv = ["run", *PROMPTS, *FAST, "--checkpoint", str(transformers_checkpoint)]
-    assert _outputs(capsys, [*argv, "--tensor-parallel-size", "2"]) == _outputs(capsys, argv)
+    expected = _outputs(capsys, argv)
+    for mode in MODES:
+        parallel = [*argv, "--cudagraph-mode", mode, "--tensor-parallel-size", "2"]
+        assert _outputs(capsys, parallel) == expected, mode
+
+
+def test_matrix_on_two_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["matrix", "--platform", "cpu", "--capture-sizes", "1,2", "--max-new-tokens", "3"]
+    assert main([*argv, "--tensor-parallel-size", "2", "--json"]) == 0
+    cells = json.loads(capsys.readouterr().out)["cells"]
+    assert {c["status"] for c in cells} == {"equal", "refused"}
+    assert all(c["resolved"]["decode"] != "FULL" for c in cells if c["resolved"])
 
 
 def test_a_size_the_model_cannot_split_is_refused_before_any_process_starts(
