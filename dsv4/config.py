@@ -202,7 +202,10 @@ class DeepseekV4Config:
 
         Same byte-level vocabulary as ``tiny``; four layers (CSA twice), 16 routed experts of
         which each token takes 4 (so one-token decode steps run the MoE on gathered weights and
-        larger batches run every expert), windows and top-k closer to real proportions.
+        larger batches run every expert), windows and top-k closer to real proportions. It
+        declares 65 536 positions (the long-context benchmarks need them), with the compressed
+        RoPE's YaRN consistent with that (factor 4 over 16 384 original positions, so
+        transformers takes the factor as given).
         """
         return cls(
             vocab_size=320,
@@ -221,7 +224,7 @@ class DeepseekV4Config:
             index_n_heads=16,
             index_head_dim=32,
             index_topk=16,
-            compress_yarn=YarnScaling(factor=4.0, original_max_position_embeddings=1024),
+            compress_yarn=YarnScaling(factor=4.0, original_max_position_embeddings=16384),
             hc_mult=4,
             mlp_layer_types=("hash_moe", "moe", "moe", "moe"),
             moe_intermediate_size=256,

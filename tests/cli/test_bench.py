@@ -59,9 +59,12 @@ def test_unknown_held_bytes_render_as_n_a() -> None:
             "held/eager_step_peak": None,
         },
         "generation": {"tokens_per_s": {"engine": 100.0}},
+        "tensor_parallel_size": 2,
+        "collective_share_of_decode": 0.125,
         "method": "m",
     }
     text = render(payload)
+    assert "tensor parallel size 2: rank 0 spent 12.5% of the decode timing in collectives" in text
     assert text.splitlines()[0] == "platform cuda, device cuda"
     assert "capture: 1 graphs in 0.01s, n/a held by captures (n/a the 3.0 MiB peak" in text
     assert "None" not in text
