@@ -30,6 +30,7 @@ import contextlib
 import datetime
 import multiprocessing
 import os
+import pickle
 import queue
 import socket
 import sys
@@ -166,7 +167,7 @@ def _supervise(workers: list[Any], results: Any) -> dict[str, Any]:
         while time.monotonic() < deadline and any(w.exitcode is None for w in workers):
             _collect(workers, results, payloads, failures)
         raise RankFailedError(_cause(failures))
-    return dict(payloads[0])
+    return dict(pickle.loads(payloads[0]))
 
 
 def _collect(
@@ -235,7 +236,9 @@ def _worker(
         message = " ".join(str(exc).split()) or type(exc).__name__
         results.put((world.rank, False, f"{type(exc).__name__}: {message}"))
         return
-    results.put((world.rank, True, payload if world.rank == 0 else None))
+    # Plain pickle bytes: tensors travel by value (multiprocessing would share them by a file
+    # descriptor the parent could only open while this process still lives).
+    results.put((world.rank, True, pickle.dumps(payload) if world.rank == 0 else None))
 
 
 def _silence() -> None:

@@ -29,11 +29,13 @@ from runners.spec import EngineSpec
 
 __all__ = [
     "SIMULATION_SCOPE",
+    "STEP_BUDGET",
     "Configuration",
     "Difference",
     "SimulatedRunWarning",
     "Workload",
     "check_configuration",
+    "engine_spec",
     "expect",
     "first_difference",
     "platform_label",
@@ -49,7 +51,7 @@ SIMULATION_SCOPE = (
     "device's graph capture replays correctly, a graph backend that replays wrongly): only a "
     "run on the device can."
 )
-_BUDGET = 7
+STEP_BUDGET = 7
 """Tokens per step: prefill chunks up to 7 tokens, so padded graphs and eager steps above the
 largest captured size (4) both occur."""
 
@@ -125,9 +127,9 @@ class Workload:
         model = random_model(config, seed, platform.device)
         frozen = tuple(tuple(p) for p in prompts)
         params = SamplingParams(max_tokens=max_new_tokens)
-        spec = attrs.evolve(_spec(platform), cudagraph_mode="NONE")
+        spec = attrs.evolve(engine_spec(platform), cudagraph_mode="NONE")
         try:
-            eager = run_trace(spec, model, frozen, params, max_num_batched_tokens=_BUDGET)
+            eager = run_trace(spec, model, frozen, params, max_num_batched_tokens=STEP_BUDGET)
         except Exception as exc:
             raise AssertionError(
                 f"{platform_label(platform)}: the eager reference run (graph mode NONE) of "
@@ -136,7 +138,8 @@ class Workload:
         return cls(platform=platform, model=model, prompts=frozen, params=params, eager=eager)
 
 
-def _spec(platform: Platform) -> EngineSpec:
+def engine_spec(platform: Platform) -> EngineSpec:
+    """The kit's engine on ``platform``: small capture sizes, budget and cache layout."""
     return EngineSpec(
         platform=platform,
         capture_sizes=(1, 2, 4),
@@ -163,14 +166,18 @@ def check_configuration(
     (``None``: ``equality_tolerance`` of the device and dtype); otherwise how it differs: the
     first differing token, the logits, or the exception."""
     spec = attrs.evolve(
-        _spec(workload.platform),
+        engine_spec(workload.platform),
         runner=configuration.runner,
         cudagraph_mode=configuration.mode,
         eager_region=configuration.region,
     )
     try:
         trace = run_trace(
-            spec, workload.model, workload.prompts, workload.params, max_num_batched_tokens=_BUDGET
+            spec,
+            workload.model,
+            workload.prompts,
+            workload.params,
+            max_num_batched_tokens=STEP_BUDGET,
         )
     except Exception as exc:
         return Difference(detail=f"raised {type(exc).__name__}: {exc}", error=exc)

@@ -55,6 +55,7 @@ from runners.testing.checks import (
     platform_label,
     resolved,
 )
+from runners.testing.parallel import parallel_pass
 from runners.testing.passes import deterministic_pass, random_search
 
 __all__ = ["PlatformConformanceTests"]
@@ -332,14 +333,20 @@ class PlatformConformanceTests(abc.ABC):
             expect(torch.equal(got, want), f"{label}: replay {step} gave {got}, expected {want}")
 
     # -- equivalence to eager -------------------------------------------------------------------
-    def allowed_configurations(self, tensor_parallel_size: int = 1) -> list[Configuration]:
-        """Every (runner, mode, region) the resolution accepts on this platform at
-        ``tensor_parallel_size`` ranks, one per distinct resolution (the first spelling of
-        each)."""
+    def allowed_configurations(
+        self, tensor_parallel_size: int = 1, platform: Platform | None = None
+    ) -> list[Configuration]:
+        """Every (runner, mode, region) the resolution accepts on this platform (or on
+        ``platform``: the one a pass executes on, simulated or not) at ``tensor_parallel_size``
+        ranks, one per distinct resolution (the first spelling of each)."""
         seen: dict[tuple[Any, ...], Configuration] = {}
+        target = self.make_platform() if platform is None else platform
         for runner, mode, region in itertools.product(sorted(RUNNERS), MODE_NAMES, REGION_NAMES):
             try:
-                r = self.resolve(
+                r = resolve(
+                    DSV4,
+                    target,
+                    environ={},
                     runner=runner,
                     cudagraph_mode=mode,
                     eager_region=region,
@@ -362,6 +369,19 @@ class PlatformConformanceTests(abc.ABC):
             ),
             f"the default (runner {default.runner.name}, {resolved(default)}) is not among the "
             f"allowed configurations: {[str(c) for c in allowed]}",
+        )
+
+    def test_parallel_runs_generate_the_single_rank_output(self) -> None:
+        """Every configuration allowed at ``tensor_parallel_size`` ranks, run on that many local
+        ranks (one parallel run for them all), generates the eager tokens of one rank."""
+        size = self.tensor_parallel_size
+        platform = self.execution_platform()
+        parallel_pass(
+            platform,
+            self.allowed_configurations(tensor_parallel_size=size, platform=platform),
+            size=size,
+            atol=self.atol,
+            max_new_tokens=self.max_new_tokens,
         )
 
     def test_every_allowed_configuration_generates_the_eager_output(self) -> None:
