@@ -64,8 +64,20 @@ class LayerCache:
     indexer: CompressorCache | None
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        parts = [c.tensors() for c in (self.compressor, self.indexer) if c is not None]
+        parts = [c.tensors() for c in self._compressors()]
         return (self.kv, *(t for part in parts for t in part))
+
+    def token_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The block pool's tensors: one row per token slot (window latent, compressor and
+        indexer projections)."""
+        return (self.kv, *(t for c in self._compressors() for t in (c.kv, c.gate)))
+
+    def entry_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The entry pool's tensors: one row per entry slot."""
+        return tuple(c.entries for c in self._compressors())
+
+    def _compressors(self) -> tuple[CompressorCache, ...]:
+        return tuple(c for c in (self.compressor, self.indexer) if c is not None)
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -76,10 +88,6 @@ class PagedKVCaches:
     block_size: int
     num_entry_blocks: int
     layers: tuple[LayerCache, ...]
-
-    @property
-    def num_slots(self) -> int:
-        return self.num_blocks * self.block_size
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """Every cache tensor (to register as static memory for capture audits)."""
@@ -181,8 +189,8 @@ def cache_bytes(config: DeepseekV4Config, dtype: torch.dtype) -> dict[str, Cache
     caches = allocate_kv_caches(config, num_blocks=1, block_size=1, device="meta", dtype=dtype)
     sizes = {}
     for layer_type, layer in zip(config.layer_types, caches.layers, strict=True):
-        entries = [c.entries for c in (layer.compressor, layer.indexer) if c is not None]
-        per_entry = sum(t[0].numel() * t.element_size() for t in entries)
-        everything = sum(t[0].numel() * t.element_size() for t in layer.tensors())
-        sizes[layer_type] = CacheBytes(per_token=everything - per_entry, per_entry=per_entry)
+        sizes[layer_type] = CacheBytes(
+            per_token=sum(t[0].numel() * t.element_size() for t in layer.token_tensors()),
+            per_entry=sum(t[0].numel() * t.element_size() for t in layer.entry_tensors()),
+        )
     return sizes

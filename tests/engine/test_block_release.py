@@ -19,10 +19,9 @@ from hypothesis import strategies as st
 
 from dsv4 import DeepseekV4Config
 from dsv4.testing import random_model
-from graphs import NarrowRegion
-from platforms import CpuPlatform
-from runners import CacheLayout, CUDAGraphMode, ModelRunner, ModelRunnerV2
+from runners import CacheLayout, ModelRunner
 from runners.engine import LLM, EngineLimits, SamplingParams, ScheduledChunk
+from tests.engine.test_engine_over_runner import v2_runner
 
 BLOCK = 4
 LAYOUT = CacheLayout(num_blocks=64, block_size=BLOCK, max_rows=3, max_blocks_per_row=24)
@@ -47,31 +46,17 @@ class _Recorded:
         for block in self.free_blocks:
             rows = slice(block * BLOCK, (block + 1) * BLOCK)
             for layer in self.runner.kv_caches.layers:
-                state = [layer.kv]
-                for part in (layer.compressor, layer.indexer):
-                    if part is not None:
-                        state += [part.kv, part.gate]
-                for tensor in state:
+                for tensor in layer.token_tensors():
                     tensor[rows] = float("nan")
         logits = self.runner.execute(chunks, token_ids)
         self.logits.append(logits.clone())
         return logits
 
 
-def _runner() -> ModelRunner:
-    return ModelRunnerV2(
-        random_model(DeepseekV4Config.tiny(), 3),
-        platform=CpuPlatform(),
-        layout=LAYOUT,
-        eager_region=NarrowRegion(),
-        decode_mode=CUDAGraphMode.FULL,
-        mixed_mode=CUDAGraphMode.PIECEWISE,
-        capture_sizes=(1, 2, 4),
-        max_num_tokens=16,
-    )
-
-
-_RUNNERS = {name: _runner() for name in ("releasing", "keeping")}
+_RUNNERS = {
+    name: v2_runner(random_model(DeepseekV4Config.tiny(), 3), LAYOUT)
+    for name in ("releasing", "keeping")
+}
 """Built once (captures are reused across examples); every example starts on fresh engines."""
 
 
