@@ -42,14 +42,24 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from platforms import Platform
+
 __all__ = [
     "COLLECTIVE_TIMEOUT",
     "GRACE_S",
     "RankFailedError",
     "World",
+    "cause_of",
     "execute_ranked",
+    "exit_reason",
+    "free_port",
+    "local_worlds",
+    "one_line",
     "process_group",
+    "process_group_backend",
     "run_local",
+    "silence",
+    "stop_processes",
     "torchrun_world",
 ]
 
@@ -74,6 +84,25 @@ class World:
     size: int
     master_addr: str
     master_port: int
+    local_rank: int = attrs.field(default=attrs.Factory(lambda world: world.rank, takes_self=True))
+    """This process's rank among those on its machine (its GPU under NCCL)."""
+
+
+def process_group_backend(platform: Platform) -> str:
+    """The process-group backend ranks running on ``platform`` use: ``gloo`` where it runs on
+    the CPU (the CPU itself, a simulated platform, or one not available here), else the
+    platform's own (``Platform.distributed_backend``)."""
+    runs_on_cpu = platform.device.type == "cpu" or not platform.is_available()
+    return "gloo" if runs_on_cpu else platform.distributed_backend
+
+
+def local_worlds(size: int) -> list[World]:
+    """The ``size`` ranks of a world on this machine, meeting at a free local port."""
+    port = free_port()
+    return [
+        World(rank=rank, size=size, master_addr="127.0.0.1", master_port=port)
+        for rank in range(size)
+    ]
 
 
 def torchrun_world() -> World | None:
@@ -85,13 +114,18 @@ def torchrun_world() -> World | None:
         size=int(os.environ["WORLD_SIZE"]),
         master_addr=os.environ["MASTER_ADDR"],
         master_port=int(os.environ["MASTER_PORT"]),
+        local_rank=int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
     )
 
 
 @contextlib.contextmanager
 def process_group(world: World, backend: str) -> Iterator[None]:
     """Join ``world``'s default process group on ``backend`` and share one sampling seed (rank
-    0's) with every rank; leave the group on exit."""
+    0's) with every rank; leave the group on exit. Under ``nccl`` each rank first takes the GPU
+    of its local rank (NCCL needs one device per rank; the platform's ``cuda`` device is then
+    that one)."""
+    if backend == "nccl":
+        torch.cuda.set_device(world.local_rank)
     dist.init_process_group(
         backend,
         init_method=f"tcp://{world.master_addr}:{world.master_port}",
@@ -124,7 +158,7 @@ def execute_ranked(
         )
     args.tensor_parallel_size = world.size
     if world.rank != 0:
-        _silence()
+        silence()
     with process_group(world, backend):
         payload = command(args)
     return payload if world.rank == 0 else None
@@ -137,21 +171,20 @@ def run_local(
     docstring for what happens when a rank fails)."""
     context = multiprocessing.get_context("spawn")
     results: Any = context.Queue()
-    world = World(rank=0, size=size, master_addr="127.0.0.1", master_port=_free_port())
     workers = [
         context.Process(
             target=_worker,
-            args=(command, args, attrs.evolve(world, rank=rank), backend, results),
-            name=f"dsv4-rank-{rank}",
+            args=(command, args, world, backend, results),
+            name=f"dsv4-rank-{world.rank}",
         )
-        for rank in range(size)
+        for world in local_worlds(size)
     ]
     for worker in workers:
         worker.start()
     try:
         return _supervise(workers, results)
     finally:
-        _stop(workers)
+        stop_processes(workers)
 
 
 def _supervise(workers: list[Any], results: Any) -> dict[str, Any]:
@@ -166,7 +199,7 @@ def _supervise(workers: list[Any], results: Any) -> dict[str, Any]:
         deadline = time.monotonic() + SETTLE_S
         while time.monotonic() < deadline and any(w.exitcode is None for w in workers):
             _collect(workers, results, payloads, failures)
-        raise RankFailedError(_cause(failures))
+        raise RankFailedError(cause_of(failures))
     return dict(pickle.loads(payloads[0]))
 
 
@@ -180,7 +213,7 @@ def _collect(
         for rank, worker in enumerate(workers):
             code = worker.exitcode
             if rank not in payloads and rank not in failures and code not in (None, 0):
-                failures[rank] = f"rank {rank} died ({_exit_reason(code)})"
+                failures[rank] = f"rank {rank} died ({exit_reason(code)})"
         return
     if ok:
         payloads[rank] = value
@@ -192,7 +225,7 @@ _ECHOES = ("connection closed", "connection reset", "remote worker", "timed out"
 """What a rank's error says when it only lost a peer (gloo's and NCCL's wording)."""
 
 
-def _cause(failures: dict[int, str]) -> str:
+def cause_of(failures: dict[int, str]) -> str:
     """The failure that caused the others: a rank that died, else one whose error is not the
     echo of a lost peer, else the lowest rank's."""
     ranked = sorted(failures.items())
@@ -206,7 +239,7 @@ def _cause(failures: dict[int, str]) -> str:
     return ranked[0][1]
 
 
-def _stop(workers: list[Any]) -> None:
+def stop_processes(workers: list[Any]) -> None:
     """Terminate every worker still running, kill those that outlive the grace period, and
     join them all."""
     for worker in workers:
@@ -226,32 +259,37 @@ def _worker(
     """One rank: run the command in the process group, report rank 0's payload (or any rank's
     error, as one line)."""
     if world.rank != 0:
-        _silence()
+        silence()
     try:
         with process_group(world, backend):
             payload = command(args)
     except KeyboardInterrupt:
         os._exit(130)
     except BaseException as exc:  # every failure reaches the parent as one line
-        message = " ".join(str(exc).split()) or type(exc).__name__
-        results.put((world.rank, False, f"{type(exc).__name__}: {message}"))
+        results.put((world.rank, False, one_line(exc)))
         return
     # Plain pickle bytes: tensors travel by value (multiprocessing would share them by a file
     # descriptor the parent could only open while this process still lives).
     results.put((world.rank, True, pickle.dumps(payload) if world.rank == 0 else None))
 
 
-def _silence() -> None:
+def one_line(exc: BaseException) -> str:
+    """``exc`` as ``Type: message`` on one line (how a rank's error reaches the parent)."""
+    message = " ".join(str(exc).split()) or type(exc).__name__
+    return f"{type(exc).__name__}: {message}"
+
+
+def silence() -> None:
     """Rank 0 alone speaks: every other rank's output goes nowhere (its errors still reach
     the parent, or ``torchrun``, by its exit)."""
     sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 (lives as the process)
 
 
-def _exit_reason(code: int) -> str:
+def exit_reason(code: int) -> str:
     return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])

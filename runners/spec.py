@@ -54,6 +54,7 @@ __all__ = [
     "build_model",
     "build_runner",
     "capacity_of",
+    "check_spec",
     "compute_dtype_of",
     "config_of",
     "parallel_of",
@@ -168,8 +169,8 @@ def parallel_of(spec: EngineSpec) -> TensorParallel:
         return SINGLE
     if not dist.is_initialized() or dist.get_world_size() != size:
         raise ParallelSizeError(
-            f"tensor_parallel_size {size} needs a process group of {size} ranks: run under "
-            "torchrun, or use dsv4 --tensor-parallel-size, which starts them"
+            f"tensor_parallel_size {size} needs a process group of {size} ranks: use "
+            "runners.launch_engine, which starts them, or run under torchrun"
         )
     return TensorParallel.from_default_group()
 
@@ -202,17 +203,9 @@ def build_engine(spec: EngineSpec, *, model: DeepseekV4ForCausalLM | None = None
 
     Capacity options the config alone rules out are refused before the model loads; the KV
     budget's share of free memory is measured after it has loaded."""
-    resolution = resolve_spec(spec)
+    resolution = check_spec(spec, model)
     platform = resolution.platform
-    platform.require_available()
-    dtype = compute_dtype_of(spec) if model is None else model.compute_dtype
-    require_dtype(platform, dtype)
     capacity = capacity_of(spec)
-    config = model.config if model is not None else config_of(spec)
-    if spec.tensor_parallel_size > 1:
-        check_parallel_size(config, spec.tensor_parallel_size)
-    if spec.layout is None:
-        capacity.check(config, dtype)
     if model is None:
         model = build_model(spec)
     model = model.to(platform.device)
@@ -242,6 +235,23 @@ def build_engine(spec: EngineSpec, *, model: DeepseekV4ForCausalLM | None = None
         collectives_in_graph=resolution.collectives_in_graph,
     )
     return Engine(resolution=resolution, runner=runner, llm=LLM(runner), capacity=plan)
+
+
+def check_spec(spec: EngineSpec, model: DeepseekV4ForCausalLM | None = None) -> Resolution:
+    """Resolve ``spec`` and refuse, before anything is allocated, what it cannot build: a
+    refused choice, a platform not available here, a compute dtype its device cannot compute
+    in, a parallel size that does not split the model, capacity options the config rules out
+    (for ``model``'s config and dtype when given, else the checkpoint's)."""
+    resolution = resolve_spec(spec)
+    resolution.platform.require_available()
+    dtype = compute_dtype_of(spec) if model is None else model.compute_dtype
+    require_dtype(resolution.platform, dtype)
+    config = model.config if model is not None else config_of(spec)
+    if spec.tensor_parallel_size > 1:
+        check_parallel_size(config, spec.tensor_parallel_size)
+    if spec.layout is None:
+        capacity_of(spec).check(config, dtype)
+    return resolution
 
 
 def capacity_of(spec: EngineSpec) -> Capacity:

@@ -13,6 +13,7 @@ from runners.batch import DEFAULT_CAPTURE_SIZES, DEFAULT_FIRST_CONTEXT_BUCKET
 from runners.capacity import DEFAULT_MEMORY_FRACTION
 from runners.cli.errors import UsageError
 from runners.cli.values import at_least, byte_count, probability
+from runners.distributed import process_group_backend
 from runners.modes import CUDAGraphMode
 from runners.resolution import RUNNERS
 from runners.spec import resolve_platform
@@ -189,9 +190,7 @@ def parallel_backend(names: Sequence[str | None], *, simulate: bool) -> str:
     else the platform's own; one line (exit 2) when a command would mix them."""
     backends = set()
     for name in names:
-        platform = resolve_platform(name, simulated=simulate)
-        runs_on_cpu = platform.device.type == "cpu" or not platform.is_available()
-        backends.add("gloo" if runs_on_cpu else platform.distributed_backend)
+        backends.add(process_group_backend(resolve_platform(name, simulated=simulate)))
     if len(backends) > 1:
         raise UsageError(
             f"--tensor-parallel-size runs one process group; these platforms need "

@@ -21,7 +21,7 @@ from dsv4.parallel import TensorParallel
 from dsv4.testing import random_model
 from platforms.base import Platform
 from runners import SamplingParams
-from runners.distributed import run_local
+from runners.distributed import process_group_backend, run_local
 from runners.measure.equivalence import run_trace
 from runners.testing.checks import (
     STEP_BUDGET,
@@ -58,9 +58,7 @@ def parallel_pass(
         seed=seed,
         max_new_tokens=max_new_tokens,
     )
-    runs_on_cpu = platform.simulated or platform.device.type == "cpu"
-    backend = "gloo" if runs_on_cpu else platform.distributed_backend
-    traces = run_local(_run_configurations, job, size, backend)["traces"]
+    traces = run_local(_run_configurations, job, size, process_group_backend(platform))["traces"]
     for configuration in configurations:
         label = f"{platform_label(platform)} at tensor parallel size {size}: {configuration}"
         trace = traces[str(configuration)]

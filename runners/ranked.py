@@ -1,0 +1,336 @@
+"""A tensor-parallel engine driven from this process: ``launch_engine(spec)`` starts
+``spec.tensor_parallel_size`` local rank processes, each holding its share of the model and
+its runner, and returns a ``RankedEngine`` whose ``LLM`` lives here.
+
+This is the Python API's way to run in parallel without ``torchrun``. The ranks form one
+``torch.distributed`` process group (``gloo`` on the CPU, the platform's backend on GPUs) and
+execute every step together; this process schedules and samples, and only it does, so no
+sampling seed needs sharing. Each step crosses one pipe per rank: the step's chunks go to every
+rank, rank 0's logits (gathered over the vocabulary, so complete) come back.
+
+Invariants:
+- Everything ``build_engine`` refuses before allocating (``check_spec``) is refused here before
+  any process starts; an error while a rank builds its engine stops every rank and raises
+  ``RankFailedError`` naming it.
+- ``RankedExecutor`` is a ``StepExecutor``: ``execute`` returns rank 0's float32 logits on the
+  CPU. A rank that raises or dies makes it stop every rank (killed after ``GRACE_S``) and raise
+  ``RankFailedError`` naming the cause (``cause_of``); so does every later call, and the
+  ``LLM`` then advances nothing (its executor contract).
+- A ``KeyboardInterrupt`` here leaves the ranks running and the engine usable: the ranks run in
+  their own session (a terminal's Ctrl-C reaches this process alone) and finish the step they
+  are in; the next call first takes the reply it was waiting for and drops it, and the ``LLM``
+  feeds that step again.
+- No rank outlives its engine: ``close`` (or leaving the ``with`` block, or the engine being
+  collected, or the interpreter exiting) stops them, and a rank whose driver vanished sees its
+  pipe close and exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import time
+import warnings
+import weakref
+from collections.abc import Sequence
+from multiprocessing.connection import Connection, wait
+from types import TracebackType
+from typing import Any
+
+import attrs
+import torch
+
+from runners.base import ModelRunner
+from runners.batch import GraphKey
+from runners.capacity import CapacityPlan
+from runners.distributed import (
+    GRACE_S,
+    SETTLE_S,
+    RankFailedError,
+    cause_of,
+    exit_reason,
+    local_worlds,
+    one_line,
+    process_group,
+    process_group_backend,
+    silence,
+)
+from runners.engine import LLM, EngineLimits, ScheduledChunk
+from runners.resolution import Resolution
+from runners.spec import EngineSpec, build_engine, check_spec
+
+__all__ = ["RankedEngine", "RankedExecutor", "launch_engine"]
+
+CALLS = frozenset({"execute", "capture", "clear_graphs"})
+"""Runner methods every rank runs together (they run the model, so its collectives)."""
+LEAVE_S = 2.0
+"""Seconds closed ranks get to leave on their own before they are terminated."""
+READS = frozenset({"captured", "num_graphs", "num_eager_breaks"})
+"""Runner attributes rank 0 alone is asked for (every rank holds the same)."""
+
+
+@attrs.frozen
+class _Ready:
+    """What rank 0 reports once its engine is built."""
+
+    limits: EngineLimits
+    capacity: CapacityPlan | None
+    warnings: tuple[tuple[type[Warning], str], ...]
+
+
+class RankedExecutor:
+    """The ``StepExecutor`` over the local rank processes of one parallel engine (see the module
+    docstring); it also runs the runners' ``capture`` and asks what they captured."""
+
+    def __init__(self, spec: EngineSpec, backend: str) -> None:
+        """Start ``spec.tensor_parallel_size`` ranks on ``backend`` and wait until every one
+        has built its engine (warnings rank 0 raised while building are re-raised here)."""
+        self._conns: list[Connection] = []
+        self._processes: list[subprocess.Popen[bytes]] = []
+        self._failure: str | None = None
+        self._pending = 0
+        self._closer = weakref.finalize(self, _shut_down, self._conns, self._processes)
+        try:
+            for world in local_worlds(spec.tensor_parallel_size):
+                conn, process = _start_rank()
+                self._conns.append(conn)
+                self._processes.append(process)
+                conn.send_bytes(pickle.dumps((spec, world, backend)))
+            ready: _Ready = self._reply()
+        except BaseException:
+            self.close()
+            raise
+        self.limits: EngineLimits = ready.limits
+        self.capacity: CapacityPlan | None = ready.capacity
+        for category, message in ready.warnings:
+            warnings.warn(message, category, stacklevel=3)
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        """The ranks' process ids, in rank order."""
+        return tuple(process.pid for process in self._processes)
+
+    @property
+    def size(self) -> int:
+        """Ranks the model is split over."""
+        return len(self._processes)
+
+    def execute(
+        self, chunks: Sequence[ScheduledChunk], token_ids: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        """Run one step on every rank; rank 0's logits ``[len(chunks), vocab_size]``."""
+        logits: torch.Tensor = self._request(("call", "execute", (list(chunks), token_ids)))
+        return logits
+
+    def capture(self) -> None:
+        """Capture every graph the runners would (``ModelRunner.capture``), on every rank."""
+        self._request(("call", "capture", ()))
+
+    def clear_graphs(self) -> None:
+        """Drop every captured graph, on every rank."""
+        self._request(("call", "clear_graphs", ()))
+
+    @property
+    def captured(self) -> tuple[GraphKey, ...]:
+        keys: tuple[GraphKey, ...] = self._request(("read", "captured", ()), ranks=1)
+        return keys
+
+    @property
+    def num_graphs(self) -> int:
+        return int(self._request(("read", "num_graphs", ()), ranks=1))
+
+    @property
+    def num_eager_breaks(self) -> int:
+        return int(self._request(("read", "num_eager_breaks", ()), ranks=1))
+
+    def close(self) -> None:
+        """Stop every rank (idempotent); later calls raise ``RankFailedError``."""
+        self._failure = self._failure or "the engine is closed"
+        self._closer()
+
+    def _request(self, command: tuple[str, str, tuple[Any, ...]], ranks: int | None = None) -> Any:
+        """Send ``command`` to the first ``ranks`` ranks (all by default); rank 0's reply."""
+        if self._failure is not None:
+            raise RankFailedError(self._failure)
+        while self._pending:  # the reply an interrupted call left behind
+            self._reply()
+            self._pending -= 1
+        message = pickle.dumps(command)
+        for conn in self._conns[:ranks]:
+            with contextlib.suppress(OSError):  # a rank that is gone: _reply names why
+                conn.send_bytes(message)
+        self._pending += 1
+        value = self._reply()
+        self._pending -= 1
+        return value
+
+    def _reply(self) -> Any:
+        """Rank 0's next reply; or, once any rank has failed, stop them all and raise."""
+        failures: dict[int, str] = {}
+        reply = _NOTHING
+        while reply is _NOTHING and not failures:
+            reply = self._next(failures, timeout=None)
+        if not failures:
+            return reply
+        # A failing rank makes its peers fail too (their collectives lose it): wait briefly
+        # for every rank's report, then name the cause rather than its echoes.
+        deadline = time.monotonic() + SETTLE_S
+        while time.monotonic() < deadline and any(p.poll() is None for p in self._processes):
+            self._next(failures, timeout=0.1)
+        self._failure = cause_of(failures)
+        self._closer()
+        raise RankFailedError(self._failure)
+
+    def _next(self, failures: dict[int, str], timeout: float | None) -> Any:
+        """Wait up to ``timeout`` for rank 0's reply or a failure: return the reply, else
+        ``_NOTHING`` (failures are added to ``failures``). A rank that exits closes its pipe,
+        so a death is seen as the end of its pipe, and named by its exit code."""
+        ready = wait([c for rank, c in enumerate(self._conns) if rank not in failures], timeout)
+        for rank, conn in enumerate(self._conns):
+            if conn not in ready:
+                continue
+            try:
+                ok, value = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                failures[rank] = self._died(rank)
+                continue
+            if not ok:
+                failures[rank] = f"rank {rank} failed: {value}"
+            elif rank == 0 and not failures:
+                return value
+        return _NOTHING
+
+    def _died(self, rank: int) -> str:
+        try:
+            code = self._processes[rank].wait(GRACE_S)
+        except subprocess.TimeoutExpired:
+            return f"rank {rank} closed its pipe"
+        return f"rank {rank} died ({exit_reason(code)})"
+
+
+_NOTHING = object()
+"""``RankedExecutor._next`` found no reply (yet)."""
+
+
+@attrs.define
+class RankedEngine:
+    """A parallel engine: the resolution, the ``LLM`` this process drives and the ranks it
+    drives them on (``ranks.capture()``, ``ranks.captured``, …). Close it, or use it as a
+    context manager, to stop the ranks."""
+
+    resolution: Resolution
+    llm: LLM
+    ranks: RankedExecutor
+    capacity: CapacityPlan | None
+    """How rank 0 derived the cache layout (every rank plans the same one)."""
+
+    def close(self) -> None:
+        self.ranks.close()
+
+    def __enter__(self) -> RankedEngine:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def launch_engine(spec: EngineSpec) -> RankedEngine:
+    """Start ``spec.tensor_parallel_size`` local ranks of ``spec`` (any size >= 1) and return
+    the engine driving them; refuses what ``check_spec`` refuses before starting any."""
+    resolution = check_spec(spec)
+    ranks = RankedExecutor(spec, process_group_backend(resolution.platform))
+    return RankedEngine(resolution=resolution, llm=LLM(ranks), ranks=ranks, capacity=ranks.capacity)
+
+
+def _start_rank() -> tuple[Connection, subprocess.Popen[bytes]]:
+    """Start one rank process (``serve_rank``) and return the pipe to it and the process.
+
+    A fresh interpreter, not a ``multiprocessing`` child: nothing of the caller's ``__main__``
+    is imported again, so a script, ``python -c`` or a notebook may launch engines without an
+    ``if __name__ == "__main__"`` guard. In its own session, so a Ctrl-C at the terminal
+    reaches the driver alone; on this interpreter's module path."""
+    mine, theirs = socket.socketpair()
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-c", f"import runners.ranked as r; r.serve_rank({theirs.fileno()})"],
+            pass_fds=(theirs.fileno(),),
+            env=environment,
+            start_new_session=True,
+        )
+    finally:
+        theirs.close()  # the rank holds its end: its exit closes the pipe
+    return Connection(mine.detach()), process
+
+
+def _shut_down(conns: list[Connection], processes: list[subprocess.Popen[bytes]]) -> None:
+    """Tell every rank to stop (a closed pipe), give idle ranks a moment to leave, then
+    terminate (or kill, after ``GRACE_S``) and reap whichever have not."""
+    for conn in conns:
+        conn.close()
+    deadline = time.monotonic() + LEAVE_S
+    for process in processes:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + GRACE_S
+    for process in processes:
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def serve_rank(fd: int) -> None:
+    """A rank process's main: read its part (spec, world, backend) from the pipe at ``fd``,
+    build its engine in the process group, then run what the driver sends until the pipe
+    closes; rank 0 replies to each command, any rank reports its error as one line."""
+    conn = Connection(fd)
+    spec, world, backend = pickle.loads(conn.recv_bytes())
+    if world.rank != 0:
+        silence()
+    if backend == "gloo":  # the machine's threads, shared among its ranks
+        torch.set_num_threads(max(1, torch.get_num_threads() // world.size))
+    try:
+        with process_group(world, backend):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("default")
+                engine = build_engine(spec)
+            if world.rank == 0:
+                noted = tuple((w.category, str(w.message)) for w in caught)
+                ready = _Ready(engine.runner.limits, engine.capacity, noted)
+                conn.send_bytes(pickle.dumps((True, ready)))
+            _serve_commands(engine.runner, conn, answers=world.rank == 0)
+    except BaseException as exc:  # every failure reaches the driver as one line
+        with contextlib.suppress(OSError):  # the driver is gone: nobody to tell
+            conn.send_bytes(pickle.dumps((False, one_line(exc))))
+
+
+def _serve_commands(runner: ModelRunner, conn: Connection, *, answers: bool) -> None:
+    while True:
+        try:
+            kind, name, args = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return  # the driver closed the pipe, or is gone
+        if kind == "call" and name in CALLS:
+            value = getattr(runner, name)(*args)
+        elif kind == "read" and name in READS:
+            value = getattr(runner, name)
+        else:
+            raise ValueError(f"unknown command {kind} {name}")
+        if isinstance(value, torch.Tensor):
+            value = value.cpu()
+        if answers:
+            conn.send_bytes(pickle.dumps((True, value)))
