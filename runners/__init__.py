@@ -3,7 +3,8 @@
 ``resolve`` turns (architecture, platform, user overrides) into a ``Resolution`` whose runner
 class, graph modes and eager region follow DESIGN §3, with a reason for every choice;
 ``build_runner`` builds the runner over a model (``build_engine`` does all of it from an
-``EngineSpec``), and ``LLM`` (the engine) drives it.
+``EngineSpec``), and ``LLM`` (the engine) drives it; ``launch_engine`` does the same over
+local rank processes, for a model split across them.
 Imports ``graphs``, ``platforms`` and ``dsv4``; nothing is resolved at import time.
 """
 
@@ -21,6 +22,7 @@ from runners.errors import (
 )
 from runners.layout import CacheLayout
 from runners.modes import CUDAGraphMode
+from runners.ranked import RankedEngine, launch_engine
 from runners.resolution import (
     DEFAULT_V2_ARCHITECTURES,
     RUNNER_ENV,
@@ -45,6 +47,7 @@ __all__ = [
     "ModelRunner",
     "ModelRunnerV1",
     "ModelRunnerV2",
+    "RankedEngine",
     "RequestFailedError",
     "Resolution",
     "ResolutionError",
@@ -56,6 +59,7 @@ __all__ = [
     "UnsafeRegionError",
     "build_engine",
     "build_runner",
+    "launch_engine",
     "resolve",
     "runner_from_name",
 ]

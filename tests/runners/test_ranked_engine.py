@@ -1,0 +1,168 @@
+"""The Python API's parallel engine (``runners.launch_engine``), from outside: two local ranks
+give the logits (within the CPU float32 tolerance) and the greedy tokens of one, before and after
+capture; what the model cannot split is refused before any process starts; a rank killed
+mid-generation, or one that fails while building, stops every rank with one line naming it; a
+Ctrl-C in the driver leaves the engine usable; no rank outlives its engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import torch
+
+import runners.ranked
+from dsv4 import DeepseekV4Config
+from dsv4.checkpoint import save_random_checkpoint
+from dsv4.parallel import ParallelSizeError
+from runners import EngineSpec, SamplingParams, build_engine
+from runners.distributed import RankFailedError
+from runners.engine import GenerateProgress, ScheduledChunk
+from runners.modes import CUDAGraphMode
+from runners.ranked import RankedEngine, launch_engine
+
+SPEC = EngineSpec(platform="cpu", capture_sizes=(1, 2), tensor_parallel_size=2)
+PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7]]
+GREEDY = SamplingParams(max_tokens=6)
+ATOL = 5e-5
+"""DESIGN's CPU float32 equality tolerance."""
+
+
+def _gone(pids: tuple[int, ...]) -> bool:
+    """Every one of ``pids`` has exited and been reaped."""
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[RankedEngine]:
+    with launch_engine(SPEC) as launched:
+        yield launched
+    assert _gone(launched.ranks.pids)
+
+
+@pytest.fixture(scope="module")
+def one_rank_tokens() -> list[tuple[int, ...]]:
+    single = build_engine(attrs.evolve(SPEC, tensor_parallel_size=1))
+    return [o.output_ids for o in single.llm.generate(PROMPTS, GREEDY)]
+
+
+def test_two_ranks_give_the_tokens_of_one_before_and_after_capture(
+    engine: RankedEngine, one_rank_tokens: list[tuple[int, ...]]
+) -> None:
+    assert [o.output_ids for o in engine.llm.generate(PROMPTS, GREEDY)] == one_rank_tokens
+    engine.ranks.capture()
+    assert engine.resolution.decode_mode is CUDAGraphMode.PIECEWISE  # FULL downgraded
+    single = build_engine(attrs.evolve(SPEC, tensor_parallel_size=1, cudagraph_mode="PIECEWISE"))
+    single.runner.capture()
+    keys = engine.ranks.captured
+    assert set(keys) == set(single.runner.captured)
+    # Every gloo collective of a forward is one more break in each graph: the embedding's
+    # all-reduce, each layer's two (attention, MoE), the logits' gather.
+    collectives = 2 + 2 * single.runner.model.config.num_hidden_layers
+    breaks = engine.ranks.num_eager_breaks
+    assert breaks == single.runner.num_eager_breaks + len(keys) * collectives
+    assert engine.ranks.num_graphs == breaks + len(keys)  # one more segment than breaks
+    assert [o.output_ids for o in engine.llm.generate(PROMPTS, GREEDY)] == one_rank_tokens
+
+
+def test_two_ranks_compute_the_logits_of_one(engine: RankedEngine) -> None:
+    single = build_engine(attrs.evolve(SPEC, tensor_parallel_size=1, cudagraph_mode="NONE"))
+    chunks = [
+        ScheduledChunk(row=0, block_ids=(0,), start_position=0, num_tokens=5),
+        ScheduledChunk(row=1, block_ids=(1,), start_position=0, num_tokens=3),
+    ]
+    expected = single.runner.execute(chunks, PROMPTS)
+    logits = engine.ranks.execute(chunks, PROMPTS)
+    assert logits.dtype == torch.float32 and logits.shape == expected.shape
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+
+
+def test_a_ctrl_c_in_the_driver_leaves_the_engine_usable(
+    engine: RankedEngine, one_rank_tokens: list[tuple[int, ...]]
+) -> None:
+    long = SamplingParams(max_tokens=200)
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.llm.generate(PROMPTS, long)
+    finally:
+        timer.cancel()
+    assert not engine.llm.has_unfinished()  # the interrupted call's requests were aborted
+    assert [o.output_ids for o in engine.llm.generate(PROMPTS, GREEDY)] == one_rank_tokens
+
+
+def test_a_size_the_model_cannot_split_is_refused_before_any_process_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_start() -> Any:
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(runners.ranked, "_start_rank", no_start)
+    with pytest.raises(
+        ParallelSizeError, match=r"^tensor-parallel size 4 does not divide o_groups"
+    ):
+        launch_engine(attrs.evolve(SPEC, tensor_parallel_size=4))
+
+
+def test_a_rank_killed_mid_generation_stops_every_rank_with_one_line() -> None:
+    engine = launch_engine(SPEC)
+    pids = engine.ranks.pids
+
+    def kill_rank_1(progress: GenerateProgress) -> None:
+        if progress.generated_tokens > 0:
+            os.kill(pids[1], signal.SIGKILL)
+
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as failed:
+        engine.llm.generate(PROMPTS, SamplingParams(max_tokens=40), progress=kill_rank_1)
+    assert time.monotonic() - start < 30
+    assert str(failed.value) == "rank 1 died (killed by signal 9)"
+    assert _gone(pids)
+    assert not engine.llm.has_unfinished()
+    with pytest.raises(RankFailedError, match=r"^rank 1 died"):  # and so does every later call
+        engine.llm.generate(PROMPTS, GREEDY)
+    engine.close()  # idempotent
+
+
+def test_a_rank_that_fails_to_build_is_named_and_no_rank_is_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory = save_random_checkpoint(tmp_path / "ckpt", DeepseekV4Config.tiny(), seed=3)
+    shard = directory / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-1000])  # the config reads; the weights do not
+    started: list[int] = []
+    start_rank = runners.ranked._start_rank
+
+    def recorded() -> Any:
+        conn, process = start_rank()
+        started.append(process.pid)
+        return conn, process
+
+    monkeypatch.setattr(runners.ranked, "_start_rank", recorded)
+    with pytest.raises(RankFailedError) as failed:
+        launch_engine(attrs.evolve(SPEC, checkpoint=directory))
+    assert str(failed.value).startswith("rank 0 failed: CheckpointError: cannot read ")
+    assert "truncated" in str(failed.value) and "\n" not in str(failed.value)
+    assert len(started) == 2 and _gone(tuple(started))
+
+
+def test_a_closed_engine_refuses_work_in_one_line() -> None:
+    with launch_engine(attrs.evolve(SPEC, tensor_parallel_size=1)) as engine:
+        pids = engine.ranks.pids
+    assert _gone(pids)
+    with pytest.raises(RankFailedError, match=r"^the engine is closed$"):
+        engine.llm.generate(PROMPTS, GREEDY)
