@@ -27,8 +27,7 @@ import torch
 
 from dsv4 import DeepseekV4ForCausalLM
 from graphs.errors import CaptureAuditError
-from runners.base import ModelRunner
-from runners.engine import LLM, EngineLimits, SamplingParams, ScheduledChunk
+from runners.engine import LLM, EngineLimits, SamplingParams, ScheduledChunk, StepExecutor
 from runners.errors import ResolutionError
 from runners.resolution import Resolution
 from runners.spec import EngineSpec, build_engine
@@ -89,10 +88,10 @@ class Status(enum.Enum):
 
 
 class RecordingExecutor:
-    """Wraps a runner as a ``StepExecutor`` and records every step's key (row, start, tokens of
-    each chunk) and a copy of its logits."""
+    """Wraps a runner (or any ``StepExecutor``) as a ``StepExecutor`` and records every step's
+    key (row, start, tokens of each chunk) and a copy of its logits."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: StepExecutor) -> None:
         self.runner = runner
         self.steps: list[tuple[StepKey, torch.Tensor]] = []
 

@@ -20,7 +20,7 @@ from graphs import EagerRegionStrategy
 from graphs.audit import AuditMode
 from platforms import CpuPlatform, Platform
 from runners import CacheLayout, CUDAGraphMode, ModelRunner, Resolution, resolve
-from runners.engine import LLM, SamplingParams
+from runners.engine import LLM, SamplingParams, StepExecutor
 from runners.measure.equivalence import RecordingExecutor
 from runners.spec import build_runner
 
@@ -78,8 +78,18 @@ def resolve_on(
     mode: CUDAGraphMode | str | None = None,
     region: EagerRegionStrategy | str | None = None,
     unsafe: bool = False,
+    tensor_parallel_size: int = 1,
 ) -> Resolution:
-    return resolve(DSV4, platform or CpuPlatform(), runner, mode, region, unsafe, environ={})
+    return resolve(
+        DSV4,
+        platform or CpuPlatform(),
+        runner,
+        mode,
+        region,
+        unsafe,
+        environ={},
+        tensor_parallel_size=tensor_parallel_size,
+    )
 
 
 @attrs.frozen
@@ -88,7 +98,7 @@ class Generation:
     step_logits: list[torch.Tensor]
 
 
-def greedy(runner: ModelRunner, batch: Sequence[Sequence[int]], max_tokens: int) -> Generation:
+def greedy(runner: StepExecutor, batch: Sequence[Sequence[int]], max_tokens: int) -> Generation:
     """Greedy generation through the engine; the outputs and every step's logits."""
     executor = RecordingExecutor(runner)
     llm = LLM(executor, max_num_batched_tokens=STEP_BUDGET)
