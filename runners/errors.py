@@ -7,6 +7,7 @@ import dsv4.parallel as model_parallel
 __all__ = [
     "CaptureSizeError",
     "ParallelSizeError",
+    "PlatformNotImportableError",
     "ResolutionError",
     "RunnerInputError",
     "UnknownEagerRegionError",
@@ -36,6 +37,11 @@ class UnknownEagerRegionError(ResolutionError):
 class ParallelSizeError(ResolutionError, model_parallel.ParallelSizeError):
     """A parallel size that is not an integer >= 1 (the resolution's refusal; the model's, of a
     size that does not divide it, is the base class ``dsv4.parallel.ParallelSizeError``)."""
+
+
+class PlatformNotImportableError(ValueError):
+    """A platform object whose class the rank processes of ``launch_engine`` cannot import (one
+    defined in the launching script's ``__main__``)."""
 
 
 class UnsafeRegionError(ResolutionError):

@@ -20,6 +20,7 @@ Invariants:
   their own session (a terminal's Ctrl-C reaches this process alone) and finish the step they
   are in; the next call first takes the reply it was waiting for and drops it, and the ``LLM``
   feeds that step again.
+- One command is in flight at a time: calls from several threads are serialised (as ``LLM``'s).
 - No rank outlives its engine: ``close`` (or leaving the ``with`` block, or the engine being
   collected, or the interpreter exiting) stops them, and a rank whose driver vanished sees its
   pipe close and exits.
@@ -33,6 +34,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import threading
 import time
 import warnings
 import weakref
@@ -60,6 +62,7 @@ from runners.distributed import (
     silence,
 )
 from runners.engine import LLM, EngineLimits, ScheduledChunk
+from runners.errors import PlatformNotImportableError
 from runners.resolution import Resolution
 from runners.spec import EngineSpec, build_engine, check_spec
 
@@ -93,6 +96,7 @@ class RankedExecutor:
         self._processes: list[subprocess.Popen[bytes]] = []
         self._failure: str | None = None
         self._pending = 0
+        self._lock = threading.RLock()
         self._closer = weakref.finalize(self, _shut_down, self._conns, self._processes)
         try:
             for world in local_worlds(spec.tensor_parallel_size):
@@ -154,19 +158,20 @@ class RankedExecutor:
 
     def _request(self, command: tuple[str, str, tuple[Any, ...]], ranks: int | None = None) -> Any:
         """Send ``command`` to the first ``ranks`` ranks (all by default); rank 0's reply."""
-        if self._failure is not None:
-            raise RankFailedError(self._failure)
-        while self._pending:  # the reply an interrupted call left behind
-            self._reply()
+        with self._lock:  # one command and its reply at a time, whichever thread asks
+            if self._failure is not None:
+                raise RankFailedError(self._failure)
+            while self._pending:  # the reply an interrupted call left behind
+                self._reply()
+                self._pending -= 1
+            message = pickle.dumps(command)
+            for conn in self._conns[:ranks]:
+                with contextlib.suppress(OSError):  # a rank that is gone: _reply names why
+                    conn.send_bytes(message)
+            self._pending += 1
+            value = self._reply()
             self._pending -= 1
-        message = pickle.dumps(command)
-        for conn in self._conns[:ranks]:
-            with contextlib.suppress(OSError):  # a rank that is gone: _reply names why
-                conn.send_bytes(message)
-        self._pending += 1
-        value = self._reply()
-        self._pending -= 1
-        return value
+            return value
 
     def _reply(self) -> Any:
         """Rank 0's next reply; or, once any rank has failed, stop them all and raise."""
@@ -245,8 +250,15 @@ class RankedEngine:
 
 def launch_engine(spec: EngineSpec) -> RankedEngine:
     """Start ``spec.tensor_parallel_size`` local ranks of ``spec`` (any size >= 1) and return
-    the engine driving them; refuses what ``check_spec`` refuses before starting any."""
+    the engine driving them; refuses what ``check_spec`` refuses, and a platform object of a
+    class defined in ``__main__`` (``PlatformNotImportableError``), before starting any."""
     resolution = check_spec(spec)
+    platform_class = type(spec.platform)
+    if platform_class.__module__ == "__main__":
+        raise PlatformNotImportableError(
+            f"platform class {platform_class.__name__} is defined in __main__, which the ranks "
+            "cannot import: move it to a module, or register it as a plugin and pass its name"
+        )
     ranks = RankedExecutor(spec, process_group_backend(resolution.platform))
     return RankedEngine(resolution=resolution, llm=LLM(ranks), ranks=ranks, capacity=ranks.capacity)
 
@@ -298,12 +310,12 @@ def serve_rank(fd: int) -> None:
     build its engine in the process group, then run what the driver sends until the pipe
     closes; rank 0 replies to each command, any rank reports its error as one line."""
     conn = Connection(fd)
-    spec, world, backend = pickle.loads(conn.recv_bytes())
-    if world.rank != 0:
-        silence()
-    if backend == "gloo":  # the machine's threads, shared among its ranks
-        torch.set_num_threads(max(1, torch.get_num_threads() // world.size))
     try:
+        spec, world, backend = pickle.loads(conn.recv_bytes())
+        if world.rank != 0:
+            silence()
+        if backend == "gloo":  # the machine's threads, shared among its ranks
+            torch.set_num_threads(max(1, torch.get_num_threads() // world.size))
         with process_group(world, backend):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("default")

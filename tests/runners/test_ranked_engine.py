@@ -22,9 +22,11 @@ import runners.ranked
 from dsv4 import DeepseekV4Config
 from dsv4.checkpoint import save_random_checkpoint
 from dsv4.parallel import ParallelSizeError
+from platforms import CpuPlatform
 from runners import EngineSpec, SamplingParams, build_engine
 from runners.distributed import RankFailedError
 from runners.engine import GenerateProgress, ScheduledChunk
+from runners.errors import PlatformNotImportableError
 from runners.modes import CUDAGraphMode
 from runners.ranked import RankedEngine, launch_engine
 
@@ -44,6 +46,10 @@ def _gone(pids: tuple[int, ...]) -> bool:
             continue
         return False
     return True
+
+
+def _no_start() -> Any:
+    raise AssertionError("a rank was started")
 
 
 @pytest.fixture(scope="module")
@@ -108,14 +114,32 @@ def test_a_ctrl_c_in_the_driver_leaves_the_engine_usable(
 def test_a_size_the_model_cannot_split_is_refused_before_any_process_starts(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def no_start() -> Any:
-        raise AssertionError("a rank was started")
-
-    monkeypatch.setattr(runners.ranked, "_start_rank", no_start)
+    monkeypatch.setattr(runners.ranked, "_start_rank", _no_start)
     with pytest.raises(
         ParallelSizeError, match=r"^tensor-parallel size 4 does not divide o_groups"
     ):
         launch_engine(attrs.evolve(SPEC, tensor_parallel_size=4))
+
+
+class _ScriptPlatform(CpuPlatform):
+    """A platform class as a script would define it, in ``__main__``."""
+
+    name = "script"
+
+
+_ScriptPlatform.__module__ = "__main__"
+
+
+def test_a_platform_the_ranks_cannot_import_is_refused_before_any_process_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(runners.ranked, "_start_rank", _no_start)
+    with pytest.raises(PlatformNotImportableError) as refused:
+        launch_engine(attrs.evolve(SPEC, platform=_ScriptPlatform()))
+    assert str(refused.value) == (
+        "platform class _ScriptPlatform is defined in __main__, which the ranks cannot import: "
+        "move it to a module, or register it as a plugin and pass its name"
+    )
 
 
 def test_a_rank_killed_mid_generation_stops_every_rank_with_one_line() -> None:
