@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -38,7 +39,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from multiprocessing.connection import Connection, wait
 from types import TracebackType
 from typing import Any
@@ -95,7 +96,7 @@ class RankedExecutor:
         self._conns: list[Connection] = []
         self._processes: list[subprocess.Popen[bytes]] = []
         self._failure: str | None = None
-        self._pending = 0
+        self._pending = 1  # rank 0 owes its report that its engine is built
         self._lock = threading.RLock()
         self._closer = weakref.finalize(self, _shut_down, self._conns, self._processes)
         try:
@@ -157,24 +158,27 @@ class RankedExecutor:
         self._closer()
 
     def _request(self, command: tuple[str, str, tuple[Any, ...]], ranks: int | None = None) -> Any:
-        """Send ``command`` to the first ``ranks`` ranks (all by default); rank 0's reply."""
+        """Send ``command`` to the first ``ranks`` ranks (all by default); rank 0's reply.
+
+        Interruptible only while waiting: a Ctrl-C never splits the sends (some ranks would
+        run a step the others never see) nor loses a reply read but not yet counted; the
+        replies it leaves owed (``_pending``) are taken and dropped by the next call."""
         with self._lock:  # one command and its reply at a time, whichever thread asks
             if self._failure is not None:
                 raise RankFailedError(self._failure)
             while self._pending:  # the reply an interrupted call left behind
                 self._reply()
-                self._pending -= 1
             message = pickle.dumps(command)
-            for conn in self._conns[:ranks]:
-                with contextlib.suppress(OSError):  # a rank that is gone: _reply names why
-                    conn.send_bytes(message)
-            self._pending += 1
-            value = self._reply()
-            self._pending -= 1
-            return value
+            with _uninterrupted():
+                for conn in self._conns[:ranks]:
+                    with contextlib.suppress(OSError):  # a rank that is gone: _reply names why
+                        conn.send_bytes(message)
+                self._pending += 1
+            return self._reply()
 
     def _reply(self) -> Any:
-        """Rank 0's next reply; or, once any rank has failed, stop them all and raise."""
+        """Rank 0's next reply (one owed reply fewer); or, once any rank has failed, stop them
+        all and raise."""
         failures: dict[int, str] = {}
         reply = _NOTHING
         while reply is _NOTHING and not failures:
@@ -198,15 +202,19 @@ class RankedExecutor:
         for rank, conn in enumerate(self._conns):
             if conn not in ready:
                 continue
-            try:
-                ok, value = pickle.loads(conn.recv_bytes())
-            except (EOFError, OSError):
-                failures[rank] = self._died(rank)
-                continue
-            if not ok:
-                failures[rank] = f"rank {rank} failed: {value}"
-            elif rank == 0 and not failures:
+            with _uninterrupted():  # a reply read is a reply counted
+                try:
+                    ok, value = pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    ok, value = False, None
+                if ok and rank == 0:
+                    self._pending -= 1
+            if ok and rank == 0 and not failures:
                 return value
+            if not ok:
+                failures[rank] = (
+                    self._died(rank) if value is None else f"rank {rank} failed: {value}"
+                )
         return _NOTHING
 
     def _died(self, rank: int) -> str:
@@ -261,6 +269,32 @@ def launch_engine(spec: EngineSpec) -> RankedEngine:
         )
     ranks = RankedExecutor(spec, process_group_backend(resolution.platform))
     return RankedEngine(resolution=resolution, llm=LLM(ranks), ranks=ranks, capacity=ranks.capacity)
+
+
+@contextlib.contextmanager
+def _uninterrupted() -> Iterator[None]:
+    """Hold a Ctrl-C (SIGINT) back until the block ends, then act on it as before (raise
+    ``KeyboardInterrupt``, for Python's default handler). A handler of the main thread's own,
+    not a signal mask: the kernel would hand a masked signal to another thread, and Python
+    would still run its handler in the main thread at once. Other threads never run signal
+    handlers, so they need nothing held."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is None  # a handler Python did not set: leave it
+    ):
+        yield
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            if callable(previous):
+                previous(signal.SIGINT, None)
+            elif previous == signal.SIG_DFL:
+                signal.raise_signal(signal.SIGINT)
 
 
 def _start_rank() -> tuple[Connection, subprocess.Popen[bytes]]:

@@ -99,14 +99,21 @@ def test_two_ranks_compute_the_logits_of_one(engine: RankedEngine) -> None:
 def test_a_ctrl_c_in_the_driver_leaves_the_engine_usable(
     engine: RankedEngine, one_rank_tokens: list[tuple[int, ...]]
 ) -> None:
-    long = SamplingParams(max_tokens=200)
-    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
+    # SIGINT 50 ms after the first step, while 199 steps remain: it lands inside the call,
+    # most often while the driver waits for the ranks' reply (the case the engine must undo).
+    timer = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT))
+
+    def interrupt_soon(progress: GenerateProgress) -> None:
+        if progress.generated_tokens and timer.ident is None:
+            timer.start()
+
     try:
         with pytest.raises(KeyboardInterrupt):
-            engine.llm.generate(PROMPTS, long)
+            engine.llm.generate(PROMPTS, SamplingParams(max_tokens=200), progress=interrupt_soon)
     finally:
-        timer.cancel()
+        timer.cancel()  # never a stray SIGINT after the call
+        if timer.ident is not None:
+            timer.join()
     assert not engine.llm.has_unfinished()  # the interrupted call's requests were aborted
     assert [o.output_ids for o in engine.llm.generate(PROMPTS, GREEDY)] == one_rank_tokens
 
