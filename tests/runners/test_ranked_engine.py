@@ -197,3 +197,15 @@ def test_a_closed_engine_refuses_work_in_one_line() -> None:
     assert _gone(pids)
     with pytest.raises(RankFailedError, match=r"^the engine is closed$"):
         engine.llm.generate(PROMPTS, GREEDY)
+
+
+def test_a_ctrl_c_during_a_send_is_held_until_the_send_ends() -> None:
+    """What keeps the ranks in step: a SIGINT between the sends of one command (some ranks
+    would run a step the others never see) is raised only after the last send."""
+    reached_the_end = False
+    with pytest.raises(KeyboardInterrupt), runners.ranked._uninterrupted():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # the interpreter runs signal handlers here
+        reached_the_end = True
+    assert reached_the_end
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
