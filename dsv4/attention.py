@@ -45,19 +45,13 @@ import attrs
 import torch
 from torch import nn
 
-from dsv4.cache import LayerCache, PagedKVCaches
+from dsv4.cache import LayerCache, PagedKVCaches, entry_stride
 from dsv4.compressor import Compressor
 from dsv4.config import CSA, SLIDING, DeepseekV4Config
 from dsv4.indexer import Indexer
 from dsv4.layers import GroupedLinear, RMSNorm, as_dtype, read_rows, rms_normalize
 from dsv4.metadata import AttentionMetadata
-from dsv4.paging import (
-    Window,
-    request_blocks,
-    sink_rows,
-    token_slots,
-    write_rows,
-)
+from dsv4.paging import EntryPages, Window, request_blocks, sink_rows, write_rows
 from dsv4.parallel import SINGLE, TensorParallel
 from dsv4.pooling import PoolingPlan, entry_capacity, entry_ends
 from dsv4.rope import RotaryEmbedding, RotaryTables
@@ -71,7 +65,7 @@ class _Entries:
     """The compressed entries every query may attend (one row per token)."""
 
     slots: torch.Tensor
-    """``[T, capacity]`` entry slots of every entry of the token's request."""
+    """``[T, capacity]`` entry rows of every entry of the token's request."""
     visible: torch.Tensor
     """``[T, capacity]`` which of them are complete for the token."""
     index_queries: torch.Tensor | None
@@ -157,6 +151,8 @@ class DeepseekV4Attention(nn.Module):
                 config.rope_dim, config.compress_rope_theta, config.compress_yarn, widths
             )
             self.compressor = _compressor(config, self.layer_type)
+        self.entry_stride = entry_stride(config, self.layer_type) if self.compressor else 1
+        """Finest-rate entries per entry of this layer (``dsv4.paging.EntryPages``)."""
         self._regions: dict[EagerRegionStrategy, Callable[..., torch.Tensor]] = {}
         """The region each strategy composed, by strategy (composed on first use)."""
 
@@ -216,14 +212,13 @@ class DeepseekV4Attention(nn.Module):
         if compressor is None or cache.compressor is None:
             return prepared
         rate = compressor.rate
-        entry_blocks = request_blocks(metadata, entries=True)
+        entry_pages = EntryPages.of(metadata, self.entry_stride)
         plan = PoolingPlan.build(
             positions,
             rate,
             window.last(span),
             metadata.slot_mapping >= 0,
-            entry_blocks,
-            block_size,
+            entry_pages,
             cache.compressor.entries.shape[0] - 1,
             overlap=compressor.overlap,
         )
@@ -242,9 +237,7 @@ class DeepseekV4Attention(nn.Module):
             return prepared
         ends = entry_ends(capacity, rate, positions.device)
         entries = _Entries(
-            slots=token_slots(
-                entry_blocks, torch.arange(capacity, device=positions.device), block_size
-            ),
+            slots=entry_pages.rows(torch.arange(capacity, device=positions.device)),
             visible=ends <= query_positions,
             index_queries=index_queries,
             index_weights=index_weights,

@@ -10,21 +10,26 @@ Layout (``S = num_blocks * block_size`` slots, plus one write-sink row, see ``ds
   includes the fp32 position bias of the token's slot in its window, so it is kept in fp32
   whatever the cache dtype, as the reference computes it) — the state of windows not yet
   complete, and of the previous window for the CSA overlap. ``entries`` ``[E+1, dim]`` holds
-  pooled entries in a pool of its own (``E = num_entry_blocks * block_size`` entry slots): entry
-  ``w`` of a request lives at entry slot ``w`` of the request's entry blocks
-  (``AttentionMetadata.entry_table``), whatever the layer's rate.
+  pooled entries in a pool of its own, addressed through the request's entry blocks
+  (``AttentionMetadata.entry_table``; ``dsv4.paging.EntryPages``). An entry block covers
+  ``block_size`` entries at the finest rate; a layer whose rate is ``s = rate // entry_rate``
+  times coarser completes an entry only every ``s`` of them, so its tensor keeps only
+  ``entry_rows_per_block(s, block_size) = block_size / gcd(s, block_size)`` rows per entry
+  block (``E = num_entry_blocks * rows`` rows): HCA entries do not pay for CSA's rate.
 
 Two pools, because what may be read again differs: a token's window and compressor state is
 read only while its position is within the lookback of a later query (``lookback``: the widest
 sliding window or pooling span), so the blocks holding positions that left it can be freed while
 the request runs; a compressed entry may be selected by every later query, so it is kept as long
 as the request lives. A request with ``n`` tokens addresses ``ceil(n / block_size)`` blocks and
-``ceil(ceil(n / entry_rate) / block_size)`` entry blocks (``entry_rate``: the finest rate).
+``ceil((n // entry_rate) / block_size)`` entry blocks (``entry_rate``: the finest rate).
 Caches start zeroed; stale contents of reused blocks are never visible because visibility is
 computed from positions alone.
 """
 
 from __future__ import annotations
+
+import math
 
 import attrs
 import torch
@@ -39,6 +44,8 @@ __all__ = [
     "allocate_kv_caches",
     "cache_bytes",
     "entry_rate",
+    "entry_rows_per_block",
+    "entry_stride",
     "lookback",
 ]
 
@@ -94,6 +101,19 @@ class PagedKVCaches:
         return tuple(t for layer in self.layers for t in layer.tensors())
 
 
+def entry_stride(config: DeepseekV4Config, layer_type: str) -> int:
+    """Finest-rate entries per entry of a ``layer_type`` layer, rounded down (at least 1):
+    entry ``w`` of such a layer is addressed as the finest-rate entry ``w * stride``, which is
+    complete no later than it, so it lies in an entry block its request already holds."""
+    return config.compress_rate(layer_type) // entry_rate(config)
+
+
+def entry_rows_per_block(stride: int, block_size: int) -> int:
+    """Rows of one entry block a layer of ``stride`` uses: the distinct ``(w * stride) %
+    block_size`` are the multiples of ``gcd(stride, block_size)`` below ``block_size``."""
+    return block_size // math.gcd(stride, block_size)
+
+
 def _compressor_cache(
     rows: int,
     entry_rows: int,
@@ -146,11 +166,15 @@ def allocate_kv_caches(
             f"({entry_blocks} entry blocks)"
         )
     rows = num_blocks * block_size + 1
-    entry_rows = entry_blocks * block_size + 1
     layers = []
     for layer_type in config.layer_types:
         compressed = layer_type != SLIDING
         csa = layer_type == CSA
+        entry_rows = (
+            entry_blocks * entry_rows_per_block(entry_stride(config, layer_type), block_size) + 1
+            if compressed
+            else 0
+        )
         layers.append(
             LayerCache(
                 kv=torch.zeros(rows, config.head_dim, device=device, dtype=dtype),
@@ -176,21 +200,28 @@ def allocate_kv_caches(
 
 @attrs.frozen
 class CacheBytes:
-    """Cache bytes of one layer: per token slot (window pool) and per entry slot (entries)."""
+    """Cache bytes of one layer: per token slot (window pool) and per entry block of
+    ``block_size`` finest-rate entries (entry pool: the rows its rate uses of the block)."""
 
     per_token: int
-    per_entry: int
+    per_entry_block: int
 
 
-def cache_bytes(config: DeepseekV4Config, dtype: torch.dtype) -> dict[str, CacheBytes]:
+def cache_bytes(
+    config: DeepseekV4Config, dtype: torch.dtype, block_size: int
+) -> dict[str, CacheBytes]:
     """``CacheBytes`` of one layer of each layer type, for caches in ``dtype`` (the fp32 gates
-    included): measured on caches of one slot allocated on the meta device, so it always
-    matches ``allocate_kv_caches``."""
-    caches = allocate_kv_caches(config, num_blocks=1, block_size=1, device="meta", dtype=dtype)
+    included) and blocks of ``block_size``: measured on caches of one block allocated on the
+    meta device (less the sink rows), so it always matches ``allocate_kv_caches``."""
+    caches = allocate_kv_caches(
+        config, num_blocks=1, block_size=block_size, device="meta", dtype=dtype
+    )
     sizes = {}
     for layer_type, layer in zip(config.layer_types, caches.layers, strict=True):
         sizes[layer_type] = CacheBytes(
             per_token=sum(t[0].numel() * t.element_size() for t in layer.token_tensors()),
-            per_entry=sum(t[0].numel() * t.element_size() for t in layer.entry_tensors()),
+            per_entry_block=sum(
+                (t.shape[0] - 1) * t[0].numel() * t.element_size() for t in layer.entry_tensors()
+            ),
         )
     return sizes

@@ -8,13 +8,19 @@ slots to rows once (``sink_rows``) and every write is a single ``index_copy_``; 
 cache rows is a single ``index_select`` (``dsv4.layers.read_rows``).
 
 A layer resolves its tokens' block-table rows once per step (``request_blocks``); every lookup
-is then one gather plus the offset in the block (``token_slots``); entries are looked up the
-same way in the entry pool, by entry index. Every position looked up is below the table's
-``width * block_size``: a query reads positions up to its own, and entries up to its request's
-capacity; metadata refuses a position its row's blocks do not cover.
+is then one gather plus the offset in the block (``token_slots``). Entries are looked up in the
+entry pool through the entry table (``EntryPages``): entry ``w`` of a layer whose rate is
+``stride`` times the finest is the finest-rate entry ``f = w * stride``, in entry block
+``f // block_size`` of its request, at row ``(f % block_size) // gcd(stride, block_size)`` of
+that block's ``entry_rows_per_block`` rows (one entry tensor per layer, each with its own rows
+per block). Every position looked up is below the table's ``width * block_size``: a query reads
+positions up to its own, and entries up to its request's capacity; metadata refuses a position
+its row's blocks do not cover.
 """
 
 from __future__ import annotations
+
+import math
 
 import attrs
 import torch
@@ -22,14 +28,12 @@ import torch
 from dsv4.layers import as_dtype, read_rows
 from dsv4.metadata import AttentionMetadata
 
-__all__ = ["Window", "request_blocks", "sink_rows", "token_slots", "write_rows"]
+__all__ = ["EntryPages", "Window", "request_blocks", "sink_rows", "token_slots", "write_rows"]
 
 
-def request_blocks(metadata: AttentionMetadata, *, entries: bool = False) -> torch.Tensor:
-    """``[T, width]`` first cache slot of each block of every token's request (of each entry
-    block, in the entry pool, with ``entries``)."""
-    table = metadata.entry_table if entries else metadata.block_table
-    return read_rows(table, metadata.token_request) * metadata.block_size
+def request_blocks(metadata: AttentionMetadata) -> torch.Tensor:
+    """``[T, width]`` first cache slot of each block of every token's request."""
+    return read_rows(metadata.block_table, metadata.token_request) * metadata.block_size
 
 
 def token_slots(blocks: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -38,6 +42,34 @@ def token_slots(blocks: torch.Tensor, positions: torch.Tensor, block_size: int) 
     if positions.dim() == 1:
         return blocks.index_select(1, positions // block_size) + positions % block_size
     return blocks.gather(1, positions // block_size) + positions % block_size
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class EntryPages:
+    """Where the entries of one layer live for every token's request (see the module
+    docstring): its entry blocks, and the layer's stride over the finest rate."""
+
+    blocks: torch.Tensor
+    """``[T, entry width]`` entry block ids of every token's request."""
+    block_size: int
+    stride: int
+
+    @classmethod
+    def of(cls, metadata: AttentionMetadata, stride: int) -> EntryPages:
+        blocks = read_rows(metadata.entry_table, metadata.token_request)
+        return cls(blocks=blocks, block_size=metadata.block_size, stride=stride)
+
+    def rows(self, entries: torch.Tensor) -> torch.Tensor:
+        """Rows ``[T, K]`` of the layer's entry tensor holding ``entries`` (each ``>= 0``) of
+        every token's request: per token ``[T, K]``, or the same ``[K]`` for every token."""
+        finest = entries * self.stride
+        common = math.gcd(self.stride, self.block_size)
+        index = finest // self.block_size
+        if entries.dim() == 1:
+            first = self.blocks.index_select(1, index)
+        else:
+            first = self.blocks.gather(1, index)
+        return first * (self.block_size // common) + (finest % self.block_size) // common
 
 
 @attrs.frozen(kw_only=True, eq=False)

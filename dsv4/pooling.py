@@ -15,8 +15,8 @@ Per-token formulation (what makes this capturable): every token of the step firs
 projections into the paged state (``CompressorCache.kv``/``gate``), then every token gathers
 the ``m`` (or ``2m``) positions ending at itself through the block table and pools them. Only
 a token that completes a window (``(t+1) % m == 0``) writes its pooled entry, into its own
-entry slot (entry ``w`` lives at entry slot ``w`` of the request's entry blocks, in the entry
-pool); every other token, and every padded one, writes to the entry pool's sink. Shapes depend
+entry row (entry ``w`` of the request, in the entry pool: ``dsv4.paging.EntryPages``); every
+other token, and every padded one, writes to the entry tensor's sink. Shapes depend
 only on the token count and host constants, and there is no host sync: partial windows persist
 across steps in the paged state.
 
@@ -36,7 +36,7 @@ from torch import nn
 from dsv4.cache import CompressorCache
 from dsv4.layers import RMSNorm, as_dtype, read_rows
 from dsv4.metadata import AttentionMetadata
-from dsv4.paging import Window, token_slots, write_rows
+from dsv4.paging import EntryPages, Window, write_rows
 from dsv4.rope import RotaryEmbedding, RotaryTables
 
 __all__ = ["PoolingPlan", "WindowPooler", "entry_capacity", "entry_ends"]
@@ -66,7 +66,7 @@ class PoolingPlan:
     """``[T, span, 1]`` window positions before the request's start (overlapping windows only;
     they weigh nothing)."""
     entry_rows: torch.Tensor
-    """``[T]`` entry-pool row of the entry each token completes; the entry sink if none."""
+    """``[T]`` entry-tensor row of the entry each token completes; the entry sink if none."""
     entry_positions: torch.Tensor
     """``[T]`` first position of each token's window (where its entry's RoPE turns)."""
 
@@ -77,18 +77,16 @@ class PoolingPlan:
         rate: int,
         window: Window,
         real: torch.Tensor,
-        entry_blocks: torch.Tensor,
-        block_size: int,
+        entries: EntryPages,
         entry_sink: int,
         *,
         overlap: bool,
     ) -> PoolingPlan:
         """The plan for ``rate`` over ``window`` (``span`` positions ending at each token);
-        ``real`` ``[T]`` marks the tokens that are not padding, ``entry_blocks`` are their
-        requests' entry blocks (``request_blocks(..., entries=True)``) and ``entry_sink`` the
-        entry pool's sink row."""
+        ``real`` ``[T]`` marks the tokens that are not padding, ``entries`` addresses their
+        requests' entries of this rate and ``entry_sink`` is the entry tensor's sink row."""
         phase = positions % rate
-        entry = token_slots(entry_blocks, (positions // rate).unsqueeze(-1), block_size)
+        entry = entries.rows((positions // rate).unsqueeze(-1))
         completes = (phase == rate - 1) & real
         return cls(
             phase=phase,

@@ -173,11 +173,11 @@ class _PoolSizes:
 
     @classmethod
     def of(cls, config: DeepseekV4Config, dtype: torch.dtype, block_size: int) -> _PoolSizes:
-        per_type = cache_bytes(config, dtype)
+        per_type = cache_bytes(config, dtype, block_size)
         return cls(
             block_size=block_size,
             block_bytes=block_size * sum(per_type[t].per_token for t in config.layer_types),
-            entry_block_bytes=block_size * sum(per_type[t].per_entry for t in config.layer_types),
+            entry_block_bytes=sum(per_type[t].per_entry_block for t in config.layer_types),
             lookback=lookback(config),
             entry_rate=entry_rate(config),
         )

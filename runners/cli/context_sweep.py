@@ -90,12 +90,13 @@ def render_sweep(payload: dict[str, Any]) -> str:
     kv = payload["kv_bytes"]
     per_type = "; ".join(
         f"{name} x{kv['layers'][name]}: {sizes['per_token']} B/token"
-        + (f", {sizes['per_entry']} B/entry" if sizes["per_entry"] else "")
+        + (f", {sizes['per_entry_block']} B/entry block" if sizes["per_entry_block"] else "")
         for name, sizes in kv["per_layer_type"].items()
     )
     lines.append(f"KV bytes per layer: {per_type}")
     lines.append(
-        f"(token state is kept for the last {kv['lookback']} positions, one entry per "
-        f"{kv['entry_rate']} tokens for the request's life)"
+        f"(token state is kept for the last {kv['lookback']} positions, entries for the "
+        f"request's life: an entry block covers {kv['block_size']} entries of one per "
+        f"{kv['entry_rate']} tokens)"
     )
     return "\n".join(lines)

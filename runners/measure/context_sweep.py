@@ -86,7 +86,7 @@ def run_context_sweep(
     prefill = _prefill(base, model, options)
     progress(f"{options.in_flight_requests} requests at a {options.in_flight_budget} B budget")
     in_flight = _in_flight(base, model, options)
-    per_type = cache_bytes(config, model.compute_dtype)
+    per_type = cache_bytes(config, model.compute_dtype, options.block_size)
     return {
         "dtype": dtype_name(model.compute_dtype),
         "threads": threads,
@@ -97,11 +97,12 @@ def run_context_sweep(
         "in_flight": in_flight,
         "kv_bytes": {
             "per_layer_type": {
-                name: {"per_token": sizes.per_token, "per_entry": sizes.per_entry}
+                name: {"per_token": sizes.per_token, "per_entry_block": sizes.per_entry_block}
                 for name, sizes in per_type.items()
             },
             "layers": {t: config.layer_types.count(t) for t in per_type},
             "entry_rate": entry_rate(config),
+            "block_size": options.block_size,
             "lookback": lookback(config),
         },
     }

@@ -18,10 +18,10 @@ FAST = ["--capture-sizes", "1,2", "--threads", "1"]
 
 def _block_bytes(block_size: int) -> tuple[int, int]:
     config = DeepseekV4Config.tiny()
-    sizes = [cache_bytes(config, torch.float32)[t] for t in config.layer_types]
+    sizes = [cache_bytes(config, torch.float32, block_size)[t] for t in config.layer_types]
     return (
         block_size * sum(s.per_token for s in sizes),
-        block_size * sum(s.per_entry for s in sizes),
+        sum(s.per_entry_block for s in sizes),
     )
 
 

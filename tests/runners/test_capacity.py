@@ -18,20 +18,36 @@ CPU = torch.device("cpu")
 
 
 def test_cache_bytes_are_the_hand_derived_sizes_of_each_layer_type() -> None:
-    config = DeepseekV4Config.tiny()
+    config = DeepseekV4Config.tiny()  # CSA rate 4 (the finest), HCA rate 16: stride 4
     head, index = config.head_dim, config.index_head_dim
     b = 2  # bfloat16; the compressor gates stay float32 (4 bytes)
     # per token: the window latent, + compressor kv and gate (2 * dim wide when overlapping,
-    # for CSA and its indexer); per entry: the pooled entries (CSA: + the indexer's keys)
+    # for CSA and its indexer); per entry block of 8 finest-rate entries: the pooled entries
+    # (CSA: + the indexer's keys), of which HCA completes one every 4, so 8 / gcd(4, 8) = 2
     expected = {
-        SLIDING: CacheBytes(per_token=head * b, per_entry=0),
-        HCA: CacheBytes(per_token=head * b + head * (b + 4), per_entry=head * b),
+        SLIDING: CacheBytes(per_token=head * b, per_entry_block=0),
+        HCA: CacheBytes(per_token=head * b + head * (b + 4), per_entry_block=2 * head * b),
         CSA: CacheBytes(
             per_token=head * b + 2 * head * (b + 4) + 2 * index * (b + 4),
-            per_entry=head * b + index * b,
+            per_entry_block=8 * (head * b + index * b),
         ),
     }
-    assert cache_bytes(config, torch.bfloat16) == expected
+    assert cache_bytes(config, torch.bfloat16, 8) == expected
+
+
+@pytest.mark.parametrize(("block_size", "hca_rows"), [(1, 1), (2, 1), (6, 3), (8, 2), (16, 4)])
+def test_hca_entries_take_the_rows_their_rate_fills(block_size: int, hca_rows: int) -> None:
+    """HCA rows per entry block: ``block_size / gcd(4, block_size)``; CSA keeps one per entry."""
+    config = DeepseekV4Config.tiny()
+    caches = allocate_kv_caches(
+        config, num_blocks=1, block_size=block_size, num_entry_blocks=5, dtype=torch.float32
+    )
+    rows = {
+        t: layer.compressor.entries.shape[0]
+        for t, layer in zip(config.layer_types, caches.layers, strict=True)
+        if layer.compressor is not None
+    }
+    assert rows == {CSA: 5 * block_size + 1, HCA: 5 * hca_rows + 1}  # + the sink row
 
 
 def test_cache_bytes_account_for_every_allocated_cache_byte() -> None:
@@ -40,18 +56,20 @@ def test_cache_bytes_account_for_every_allocated_cache_byte() -> None:
         config, num_blocks=3, block_size=2, num_entry_blocks=5, dtype=torch.float32
     )
     allocated = sum(t.numel() * t.element_size() for t in caches.tensors())
-    sizes = [cache_bytes(config, torch.float32)[t] for t in config.layer_types]
+    sizes = [cache_bytes(config, torch.float32, 2)[t] for t in config.layer_types]
     per_token = sum(s.per_token for s in sizes)
-    per_entry = sum(s.per_entry for s in sizes)
+    per_entry_block = sum(s.per_entry_block for s in sizes)
     # one write-sink row per tensor in each pool
-    assert allocated == (3 * 2 + 1) * per_token + (5 * 2 + 1) * per_entry
+    sinks = sum(
+        t[0].numel() * t.element_size() for layer in caches.layers for t in layer.entry_tensors()
+    )
+    assert allocated == (3 * 2 + 1) * per_token + 5 * per_entry_block + sinks
 
 
 def _block_bytes(config: DeepseekV4Config, block_size: int) -> tuple[int, int]:
-    sizes = [cache_bytes(config, torch.float32)[t] for t in config.layer_types]
+    sizes = [cache_bytes(config, torch.float32, block_size)[t] for t in config.layer_types]
     per_token = sum(s.per_token for s in sizes)
-    per_entry = sum(s.per_entry for s in sizes)
-    return block_size * per_token, block_size * per_entry
+    return block_size * per_token, sum(s.per_entry_block for s in sizes)
 
 
 def test_a_request_holds_its_lookback_of_blocks_and_all_its_entries() -> None:
