@@ -58,6 +58,7 @@ __all__ = [
     "process_group",
     "process_group_backend",
     "run_local",
+    "share_threads",
     "silence",
     "stop_processes",
     "torchrun_world",
@@ -260,6 +261,8 @@ def _worker(
     error, as one line)."""
     if world.rank != 0:
         silence()
+    if backend == "gloo":
+        share_threads(world.size)
     try:
         with process_group(world, backend):
             payload = command(args)
@@ -271,6 +274,14 @@ def _worker(
     # Plain pickle bytes: tensors travel by value (multiprocessing would share them by a file
     # descriptor the parent could only open while this process still lives).
     results.put((world.rank, True, pickle.dumps(payload) if world.rank == 0 else None))
+
+
+def share_threads(size: int) -> None:
+    """Give this process, one of ``size`` local CPU ranks, its share of the machine's torch
+    threads (at least one): ranks that each took every core would contend for them, and a
+    collective waits for the slowest. A command's own thread setting (``--threads``) still
+    overrides it."""
+    torch.set_num_threads(max(1, torch.get_num_threads() // size))
 
 
 def one_line(exc: BaseException) -> str:

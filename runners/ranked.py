@@ -60,6 +60,7 @@ from runners.distributed import (
     one_line,
     process_group,
     process_group_backend,
+    share_threads,
     silence,
 )
 from runners.engine import LLM, EngineLimits, ScheduledChunk
@@ -348,8 +349,8 @@ def serve_rank(fd: int) -> None:
         spec, world, backend = pickle.loads(conn.recv_bytes())
         if world.rank != 0:
             silence()
-        if backend == "gloo":  # the machine's threads, shared among its ranks
-            torch.set_num_threads(max(1, torch.get_num_threads() // world.size))
+        if backend == "gloo":
+            share_threads(world.size)
         with process_group(world, backend):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("default")
