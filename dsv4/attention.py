@@ -57,7 +57,13 @@ from dsv4.pooling import PoolingPlan, entry_capacity, entry_ends
 from dsv4.rope import RotaryEmbedding, RotaryTables
 from graphs import EagerRegionStrategy, ForwardContext, get_forward_context
 
-__all__ = ["DeepseekV4Attention"]
+__all__ = ["ATTEND_CHUNK", "DeepseekV4Attention"]
+
+ATTEND_CHUNK = 32
+"""Queries attended at once. Each query gathers its request's window keys and every compressed
+entry (``T x capacity x dim`` per layer), so a long prefill step would otherwise materialise
+that for all its tokens at once; a slice of queries bounds it without changing what any query
+computes (every query's attention is its own)."""
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -245,18 +251,27 @@ class DeepseekV4Attention(nn.Module):
         return attrs.evolve(prepared, entries=entries)
 
     def _attend(self, prepared: _Prepared) -> torch.Tensor:
+        """Attend every query, ``ATTEND_CHUNK`` queries at a time, into ``prepared.out``."""
+        tokens = prepared.queries.shape[0]
+        for start in range(0, tokens, ATTEND_CHUNK):
+            self._attend_queries(prepared, slice(start, min(start + ATTEND_CHUNK, tokens)))
+        return prepared.out
+
+    def _attend_queries(self, prepared: _Prepared, rows: slice) -> None:
+        """Attend the queries ``rows`` (a static slice of the step's tokens) into their rows of
+        ``prepared.out``: each gathers its request's window keys and compressed entries."""
         cache, window = prepared.cache, prepared.window
-        keys = read_rows(cache.kv, window.slots)
-        visible = window.positions >= 0
+        keys = read_rows(cache.kv, window.slots[rows])
+        visible = window.positions[rows] >= 0
         entries = prepared.entries
         if entries is not None and cache.compressor is not None:
-            slots, entries_visible = entries.slots, entries.visible
+            slots, entries_visible = entries.slots[rows], entries.visible[rows]
             indexer = self.compressor.indexer if self.compressor is not None else None
             if indexer is not None and cache.indexer is not None:
                 assert entries.index_queries is not None and entries.index_weights is not None
                 chosen = indexer.select(
-                    entries.index_queries,
-                    entries.index_weights,
+                    entries.index_queries[rows],
+                    entries.index_weights[rows],
                     read_rows(cache.indexer.entries, slots),
                     entries_visible,
                 )
@@ -264,13 +279,13 @@ class DeepseekV4Attention(nn.Module):
                 entries_visible = entries_visible.gather(1, chosen)
             keys = torch.cat((keys, read_rows(cache.compressor.entries, slots)), dim=1)
             visible = torch.cat((visible, entries_visible), dim=1)
-        queries = prepared.queries
+        queries = prepared.queries[rows]
         logits = torch.einsum("thd,tkd->thk", queries, keys) * self.scaling
         logits = torch.where(visible.unsqueeze(1), logits, float("-inf"))
         sinks = self.sinks.view(1, -1, 1).expand(queries.shape[0], -1, 1)
         logits = torch.cat((as_dtype(logits, torch.float32), sinks), dim=-1)
         probs = as_dtype(logits.softmax(dim=-1)[..., :-1], keys.dtype)
-        return torch.bmm(probs, keys, out=prepared.out)
+        torch.bmm(probs, keys, out=prepared.out[rows])
 
 
 def _compressor(config: DeepseekV4Config, layer_type: str) -> Compressor:
