@@ -6,7 +6,8 @@ This is the Python API's way to run in parallel without ``torchrun``. The ranks 
 ``torch.distributed`` process group (``gloo`` on the CPU, the platform's backend on GPUs) and
 execute every step together; this process schedules and samples, and only it does, so no
 sampling seed needs sharing. Each step crosses one pipe per rank: the step's chunks go to every
-rank, rank 0's logits (gathered over the vocabulary, so complete) come back.
+rank, rank 0's logits (gathered over the vocabulary, so complete) come back through shared
+memory (``runners.shared_logits``).
 
 Invariants:
 - Everything ``build_engine`` refuses before allocating (``check_spec``) is refused here before
@@ -66,6 +67,7 @@ from runners.distributed import (
 from runners.engine import LLM, EngineLimits, ScheduledChunk
 from runners.errors import PlatformNotImportableError
 from runners.resolution import Resolution
+from runners.shared_logits import SharedLogits
 from runners.spec import EngineSpec, build_engine, check_spec
 
 __all__ = ["RankedEngine", "RankedExecutor", "launch_engine"]
@@ -107,11 +109,17 @@ class RankedExecutor:
                 self._processes.append(process)
                 conn.send_bytes(pickle.dumps((spec, world, backend)))
             ready: _Ready = self._reply()
+            self.limits: EngineLimits = ready.limits
+            self.capacity: CapacityPlan | None = ready.capacity
+            self._logits = SharedLogits.create(ready.limits.max_rows, ready.limits.vocab_size)
+            try:
+                shape = (ready.limits.max_rows, ready.limits.vocab_size)
+                self._request(("map", self._logits.path, shape), ranks=1)
+            finally:
+                self._logits.unlink()  # both have mapped it (or rank 0 is gone)
         except BaseException:
             self.close()
             raise
-        self.limits: EngineLimits = ready.limits
-        self.capacity: CapacityPlan | None = ready.capacity
         for category, message in ready.warnings:
             warnings.warn(message, category, stacklevel=3)
 
@@ -128,9 +136,10 @@ class RankedExecutor:
     def execute(
         self, chunks: Sequence[ScheduledChunk], token_ids: Sequence[Sequence[int]]
     ) -> torch.Tensor:
-        """Run one step on every rank; rank 0's logits ``[len(chunks), vocab_size]``."""
-        logits: torch.Tensor = self._request(("call", "execute", (list(chunks), token_ids)))
-        return logits
+        """Run one step on every rank; rank 0's logits ``[len(chunks), vocab_size]`` (through
+        shared memory: ``runners.shared_logits``)."""
+        rows: int = self._request(("call", "execute", (list(chunks), token_ids)))
+        return self._logits.read(rows)
 
     def capture(self) -> None:
         """Capture every graph the runners would (``ModelRunner.capture``), on every rank."""
@@ -366,18 +375,25 @@ def serve_rank(fd: int) -> None:
 
 
 def _serve_commands(runner: ModelRunner, conn: Connection, *, answers: bool) -> None:
+    """Run the driver's commands until the pipe closes: ``map`` (rank 0: the shared logits),
+    ``call`` of ``CALLS`` (``execute`` leaves its logits in the shared rows and answers their
+    count), ``read`` of ``READS``; only rank 0 (``answers``) replies."""
+    logits: SharedLogits | None = None
     while True:
         try:
             kind, name, args = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             return  # the driver closed the pipe, or is gone
-        if kind == "call" and name in CALLS:
+        value: Any = None
+        if kind == "map":
+            logits = SharedLogits(name, *args)
+        elif kind == "call" and name in CALLS:
             value = getattr(runner, name)(*args)
+            if name == "execute" and logits is not None:
+                value = logits.write(value)
         elif kind == "read" and name in READS:
             value = getattr(runner, name)
         else:
             raise ValueError(f"unknown command {kind} {name}")
-        if isinstance(value, torch.Tensor):
-            value = value.cpu()
         if answers:
             conn.send_bytes(pickle.dumps((True, value)))

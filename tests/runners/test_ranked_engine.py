@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from runners.engine import GenerateProgress, ScheduledChunk
 from runners.errors import PlatformNotImportableError
 from runners.modes import CUDAGraphMode
 from runners.ranked import RankedEngine, launch_engine
+from runners.shared_logits import shared_memory_dir
 
 SPEC = EngineSpec(platform="cpu", capture_sizes=(1, 2), tensor_parallel_size=2)
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7]]
@@ -82,6 +84,14 @@ def test_two_ranks_give_the_tokens_of_one_before_and_after_capture(
     assert breaks == single.runner.num_eager_breaks + len(keys) * collectives
     assert engine.ranks.num_graphs == breaks + len(keys)  # one more segment than breaks
     assert [o.output_ids for o in engine.llm.generate(PROMPTS, GREEDY)] == one_rank_tokens
+
+
+def test_the_shared_logits_file_has_no_name_left_while_the_engine_runs(
+    engine: RankedEngine,
+) -> None:
+    directory = Path(shared_memory_dir() or tempfile.gettempdir())
+    assert engine.ranks.size == 2
+    assert not list(directory.glob("dsv4-logits-*"))
 
 
 def test_two_ranks_compute_the_logits_of_one(engine: RankedEngine) -> None:
