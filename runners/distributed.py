@@ -52,7 +52,6 @@ __all__ = [
     "cause_of",
     "execute_ranked",
     "exit_reason",
-    "free_port",
     "local_worlds",
     "one_line",
     "process_group",
@@ -60,7 +59,6 @@ __all__ = [
     "run_local",
     "share_threads",
     "silence",
-    "stop_processes",
     "torchrun_world",
 ]
 
@@ -99,7 +97,7 @@ def process_group_backend(platform: Platform) -> str:
 
 def local_worlds(size: int) -> list[World]:
     """The ``size`` ranks of a world on this machine, meeting at a free local port."""
-    port = free_port()
+    port = _free_port()
     return [
         World(rank=rank, size=size, master_addr="127.0.0.1", master_port=port)
         for rank in range(size)
@@ -185,7 +183,7 @@ def run_local(
     try:
         return _supervise(workers, results)
     finally:
-        stop_processes(workers)
+        _stop(workers)
 
 
 def _supervise(workers: list[Any], results: Any) -> dict[str, Any]:
@@ -240,7 +238,7 @@ def cause_of(failures: dict[int, str]) -> str:
     return ranked[0][1]
 
 
-def stop_processes(workers: list[Any]) -> None:
+def _stop(workers: list[Any]) -> None:
     """Terminate every worker still running, kill those that outlive the grace period, and
     join them all."""
     for worker in workers:
@@ -300,7 +298,7 @@ def exit_reason(code: int) -> str:
     return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
 
 
-def free_port() -> int:
+def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
