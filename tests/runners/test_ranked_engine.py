@@ -219,3 +219,12 @@ def test_a_ctrl_c_during_a_send_is_held_until_the_send_ends() -> None:
         reached_the_end = True
     assert reached_the_end
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
+def test_build_engine_outside_a_process_group_points_to_launch_engine() -> None:
+    with pytest.raises(ParallelSizeError) as refused:
+        build_engine(SPEC)
+    assert str(refused.value) == (
+        "tensor_parallel_size 2 needs a process group of 2 ranks: use runners.launch_engine, "
+        "which starts them, or run under torchrun"
+    )
