@@ -39,6 +39,7 @@ several runners may drive one model in turn.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import attrs
@@ -251,27 +252,35 @@ class DeepseekV4Attention(nn.Module):
         return attrs.evolve(prepared, entries=entries)
 
     def _attend(self, prepared: _Prepared) -> torch.Tensor:
-        """Attend every query, ``ATTEND_CHUNK`` queries at a time, into ``prepared.out``."""
+        """Attend every query, ``ATTEND_CHUNK`` queries at a time, into ``prepared.out`` (a
+        step of at most ``ATTEND_CHUNK`` tokens, every decode step, slices nothing)."""
         tokens = prepared.queries.shape[0]
+        if tokens <= ATTEND_CHUNK:
+            self._attend_queries(prepared, lambda tensor: tensor)
+            return prepared.out
         for start in range(0, tokens, ATTEND_CHUNK):
-            self._attend_queries(prepared, slice(start, min(start + ATTEND_CHUNK, tokens)))
+            rows = slice(start, min(start + ATTEND_CHUNK, tokens))
+            self._attend_queries(prepared, operator.itemgetter(rows))
         return prepared.out
 
-    def _attend_queries(self, prepared: _Prepared, rows: slice) -> None:
-        """Attend the queries ``rows`` (a static slice of the step's tokens) into their rows of
-        ``prepared.out``: each gathers its request's window keys and compressed entries."""
+    def _attend_queries(
+        self, prepared: _Prepared, rows: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        """Attend the queries ``rows`` picks (a static slice of the step's tokens, or all of
+        them) into their rows of ``prepared.out``: each gathers its request's window keys and
+        compressed entries."""
         cache, window = prepared.cache, prepared.window
-        keys = read_rows(cache.kv, window.slots[rows])
-        visible = window.positions[rows] >= 0
+        keys = read_rows(cache.kv, rows(window.slots))
+        visible = rows(window.positions) >= 0
         entries = prepared.entries
         if entries is not None and cache.compressor is not None:
-            slots, entries_visible = entries.slots[rows], entries.visible[rows]
+            slots, entries_visible = rows(entries.slots), rows(entries.visible)
             indexer = self.compressor.indexer if self.compressor is not None else None
             if indexer is not None and cache.indexer is not None:
                 assert entries.index_queries is not None and entries.index_weights is not None
                 chosen = indexer.select(
-                    entries.index_queries[rows],
-                    entries.index_weights[rows],
+                    rows(entries.index_queries),
+                    rows(entries.index_weights),
                     read_rows(cache.indexer.entries, slots),
                     entries_visible,
                 )
@@ -279,13 +288,13 @@ class DeepseekV4Attention(nn.Module):
                 entries_visible = entries_visible.gather(1, chosen)
             keys = torch.cat((keys, read_rows(cache.compressor.entries, slots)), dim=1)
             visible = torch.cat((visible, entries_visible), dim=1)
-        queries = prepared.queries[rows]
+        queries = rows(prepared.queries)
         logits = torch.einsum("thd,tkd->thk", queries, keys) * self.scaling
         logits = torch.where(visible.unsqueeze(1), logits, float("-inf"))
         sinks = self.sinks.view(1, -1, 1).expand(queries.shape[0], -1, 1)
         logits = torch.cat((as_dtype(logits, torch.float32), sinks), dim=-1)
         probs = as_dtype(logits.softmax(dim=-1)[..., :-1], keys.dtype)
-        torch.bmm(probs, keys, out=prepared.out[rows])
+        torch.bmm(probs, keys, out=rows(prepared.out))
 
 
 def _compressor(config: DeepseekV4Config, layer_type: str) -> Compressor:

@@ -20,11 +20,10 @@ its row's blocks do not cover.
 
 from __future__ import annotations
 
-import math
-
 import attrs
 import torch
 
+from dsv4.cache import entry_rows_per_block
 from dsv4.layers import as_dtype, read_rows
 from dsv4.metadata import AttentionMetadata
 
@@ -63,13 +62,14 @@ class EntryPages:
         """Rows ``[T, K]`` of the layer's entry tensor holding ``entries`` (each ``>= 0``) of
         every token's request: per token ``[T, K]``, or the same ``[K]`` for every token."""
         finest = entries * self.stride
-        common = math.gcd(self.stride, self.block_size)
+        per_block = entry_rows_per_block(self.stride, self.block_size)
         index = finest // self.block_size
         if entries.dim() == 1:
             first = self.blocks.index_select(1, index)
         else:
             first = self.blocks.gather(1, index)
-        return first * (self.block_size // common) + (finest % self.block_size) // common
+        # the block's rows hold offsets 0, g, 2g, ... (g = block_size / per_block)
+        return first * per_block + (finest % self.block_size) // (self.block_size // per_block)
 
 
 @attrs.frozen(kw_only=True, eq=False)
