@@ -29,6 +29,8 @@ Invariants:
   captured ahead of time, otherwise the first ones used); a step in any other bucket runs
   eagerly at its exact width, so its cost still follows its actual context.
 - Host inputs reach the device through ``stage_into`` (pinned, non-blocking on a GPU).
+- The model's forward and captures run as device work (``platforms.host_tensors.device_work``):
+  a simulated GPU run's host-tensor tracking stands aside there.
 - FULL graphs serve uniform-decode batches only; mixed batches never run under FULL.
 - Subclasses differ only in how metadata is built (``_write_metadata``) and which metadata memory
   is static (``_static_metadata``); the region each requires is a class attribute.
@@ -54,6 +56,7 @@ from graphs.backend import GraphBackend, PoolGraphs
 from graphs.forward_context import ForwardContext, forward_context
 from graphs.strategies import EagerRegionStrategy
 from platforms.base import Platform
+from platforms.host_tensors import device_work
 from runners.batch import (
     DEFAULT_CAPTURE_SIZES,
     DEFAULT_FIRST_CONTEXT_BUCKET,
@@ -198,7 +201,7 @@ class ModelRunner(abc.ABC):
         ctx = self._context(self._write_metadata(chunks, padded, width))
         ends = torch.empty(len(chunks), dtype=torch.int64, device=self.device)
         stage_into(ends, torch.tensor(_last_token_indices(chunks), dtype=torch.int64))
-        with forward_context(ctx), torch.inference_mode():
+        with forward_context(ctx), torch.inference_mode(), device_work():
             if graph is None:
                 logits = self.model(self.input_ids[:padded], self.positions[:padded])
             else:
@@ -300,16 +303,17 @@ class ModelRunner(abc.ABC):
         if isinstance(graphs, PoolGraphs) and graphs.retired:
             self._backend = self.platform.graph_backend()
         size = key.num_tokens
-        return capture_step(
-            self.model,
-            key=key,
-            input_ids=self.input_ids[:size],
-            positions=self.positions[:size],
-            dummy_context=lambda: self._context(self._write_metadata((), size, key.width)),
-            backend=self._backend,
-            static=self.static_memory,
-            audit=self.audit,
-        )
+        with device_work():
+            return capture_step(
+                self.model,
+                key=key,
+                input_ids=self.input_ids[:size],
+                positions=self.positions[:size],
+                dummy_context=lambda: self._context(self._write_metadata((), size, key.width)),
+                backend=self._backend,
+                static=self.static_memory,
+                audit=self.audit,
+            )
 
     def _validate(
         self, chunks: Sequence[ScheduledChunk], token_ids: Sequence[Sequence[int]]

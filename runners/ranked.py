@@ -10,8 +10,9 @@ rank, rank 0's logits (gathered over the vocabulary, so complete) come back thro
 memory (``runners.shared_logits``).
 
 Invariants:
-- Everything ``build_engine`` refuses before allocating (``check_spec``) is refused here before
-  any process starts; an error while a rank builds its engine stops every rank and raises
+- Everything ``build_engine`` refuses before allocating (``check_spec``), and more ranks than
+  the platform has devices here (``check_local_devices``), is refused here before any process
+  starts; an error while a rank builds its engine stops every rank and raises
   ``RankFailedError`` naming it.
 - ``RankedExecutor`` is a ``StepExecutor``: ``execute`` returns rank 0's float32 logits on the
   CPU. A rank that raises or dies makes it stop every rank (killed after ``GRACE_S``) and raise
@@ -56,8 +57,10 @@ from runners.distributed import (
     SETTLE_S,
     RankFailedError,
     cause_of,
+    check_local_devices,
     exit_reason,
     local_worlds,
+    on_the_cpu,
     one_line,
     process_group,
     process_group_backend,
@@ -268,9 +271,11 @@ class RankedEngine:
 
 def launch_engine(spec: EngineSpec) -> RankedEngine:
     """Start ``spec.tensor_parallel_size`` local ranks of ``spec`` (any size >= 1) and return
-    the engine driving them; refuses what ``check_spec`` refuses, and a platform object of a
-    class defined in ``__main__`` (``PlatformNotImportableError``), before starting any."""
+    the engine driving them; refuses what ``check_spec`` refuses, more ranks than the
+    platform's devices here (``DeviceCountError``) and a platform object of a class defined in
+    ``__main__`` (``PlatformNotImportableError``), before starting any."""
     resolution = check_spec(spec)
+    check_local_devices(resolution.platform, spec.tensor_parallel_size)
     platform_class = type(spec.platform)
     if platform_class.__module__ == "__main__":
         raise PlatformNotImportableError(
@@ -358,7 +363,7 @@ def serve_rank(fd: int) -> None:
         spec, world, backend = pickle.loads(conn.recv_bytes())
         if world.rank != 0:
             silence()
-        if backend == "gloo":
+        if on_the_cpu(backend):
             share_threads(world.size)
         with process_group(world, backend):
             with warnings.catch_warnings(record=True) as caught:

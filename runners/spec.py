@@ -214,7 +214,8 @@ def build_engine(spec: EngineSpec, *, model: DeepseekV4ForCausalLM | None = None
     if layout is None:
         budget = capacity.budget(platform.device)
         if model.parallel.size > 1:  # every rank plans the same layout: the smallest budget
-            smallest = torch.tensor([budget], dtype=torch.int64)
+            # on the device: NCCL serves nothing else (a CPU tensor fails every GPU run)
+            smallest = torch.tensor([budget], dtype=torch.int64, device=platform.device)
             dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=model.parallel.group)
             budget = int(smallest.item())
         plan = capacity.plan(
