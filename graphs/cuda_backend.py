@@ -8,7 +8,10 @@ Invariants:
 - Segments are captured on a side stream of the backend's device; ``warm_up`` runs eager work on
   that same stream first, so library workspaces created lazily per (handle, stream) — cuBLAS's,
   hipBLASLt's — are created outside every graph's pool. A segment that issued no ATen op is
-  dropped instead of becoming an empty CUDA graph.
+  not a segment of the capture, but its graph is kept as long as the backend: its
+  ``capture_begin`` took a use of the pool that its destructor would give back, and if it was
+  the pool's first graph (a capture that begins with an eager break) the pool would be left at
+  zero uses and the next ``capture_begin`` would assert (``use_count > 0``).
 - ``begin_segment``, ``end_segment`` and ``abort_segment`` are exception-safe: the backend's
   state is stored only once capture has begun, and the caller's stream is current again after
   any of them, whatever raised.
@@ -29,7 +32,7 @@ import torch
 
 from graphs._ops import QuietDispatchMode
 from graphs._tensor_refs import map_tensors, tensors_of
-from graphs.backend import PoolGraphs
+from graphs.backend import PoolGraphs, PoolUse
 from graphs.errors import BackendUnavailableError, CaptureError
 
 __all__ = ["CudaGraphBackend", "CudaGraphPool", "CudaGraphSegment"]
@@ -74,6 +77,8 @@ class CudaGraphSegment:
     """One captured CUDA graph."""
 
     graph: torch.cuda.CUDAGraph
+    use: PoolUse
+    """The pool use the graph's ``capture_begin`` took (given back with it)."""
 
     def replay(self) -> None:
         self.graph.replay()
@@ -108,7 +113,10 @@ class CudaGraphBackend:
         self._stream = torch.cuda.Stream(device=self.device)
         self._produced: set[int] = set()
         """Data pointers of storages this backend's segments produced (all in its pool)."""
-        self._recording: tuple[torch.cuda.CUDAGraph, Any, _SegmentWatch] | None = None
+        self._recording: tuple[torch.cuda.CUDAGraph, Any, _SegmentWatch, PoolUse] | None = None
+        self._empty: list[tuple[torch.cuda.CUDAGraph, PoolUse]] = []
+        """Graphs that recorded nothing: kept, since each holds a use of the pool (see the
+        module docstring)."""
 
     @property
     def pool(self) -> CudaGraphPool:
@@ -137,15 +145,14 @@ class CudaGraphBackend:
             raise
         watch = _SegmentWatch(self._produced)
         watch.__enter__()
-        self._recording = (graph, stream, watch)
+        self._recording = (graph, stream, watch, self._pool.graphs.take())
 
     def end_segment(self) -> CudaGraphSegment | None:
-        graph, issued = self._stop(aborting=False)
+        graph, use, issued = self._stop(aborting=False)
         if not issued:
+            self._empty.append((graph, use))
             return None
-        segment = CudaGraphSegment(graph)
-        self._pool.graphs.add(segment)
-        return segment
+        return CudaGraphSegment(graph, use)
 
     def abort_segment(self) -> None:
         if self._recording is not None:
@@ -161,10 +168,10 @@ class CudaGraphBackend:
             return _non_owning_alias(tensor)
         return tensor
 
-    def _stop(self, *, aborting: bool) -> tuple[torch.cuda.CUDAGraph, bool]:
+    def _stop(self, *, aborting: bool) -> tuple[torch.cuda.CUDAGraph, PoolUse, bool]:
         if self._recording is None:
             raise CaptureError("no CUDA graph segment is recording on this backend")
-        graph, stream, watch = self._recording
+        graph, stream, watch, use = self._recording
         self._recording = None
         try:
             watch.__exit__(None, None, None)
@@ -176,7 +183,7 @@ class CudaGraphBackend:
                 # an aborted capture may be invalidated already; ending it is all that matters
         finally:
             stream.__exit__(None, None, None)
-        return graph, watch.count > 0
+        return graph, use, watch.count > 0
 
     def __repr__(self) -> str:
         return f"CudaGraphBackend(device={self.device}, pool={self._pool!r})"

@@ -207,3 +207,25 @@ def test_eager_arguments_from_the_pool_are_aliases_and_others_are_held() -> None
     held.extend(eager.held_args)  # type: ignore[attr-defined]
     assert held[1] is outside  # held strongly: cannot dangle
     assert held[0] is not produced and held[0].data_ptr() == produced.data_ptr()  # type: ignore[attr-defined]
+
+
+@pytest.mark.cuda
+def test_a_capture_that_starts_with_an_eager_break_on_the_gpu() -> None:
+    """The fresh pool's first graph records nothing; dropped, it would give back the pool's
+    only use and the next segment's capture_begin would assert use_count > 0."""
+    x, mid = torch.ones(4, device="cuda"), torch.zeros(4, device="cuda")
+
+    @eager_break_during_capture
+    def first(y: torch.Tensor) -> None:
+        mid.copy_(y + 1)
+
+    backend = CudaGraphBackend(device="cuda")
+    backend.warm_up(lambda: mid * 3)
+    with BreakableCapture(backend) as capture:
+        first(x)
+        out = mid * 3
+    assert capture.layout == "EG"
+    x.fill_(2.0)
+    capture.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), torch.full((4,), 9.0))
