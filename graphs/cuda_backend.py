@@ -15,10 +15,13 @@ Invariants:
 - ``begin_segment``, ``end_segment`` and ``abort_segment`` are exception-safe: the backend's
   state is stored only once capture has begun, and the caller's stream is current again after
   any of them, whatever raised.
-- Eager-segment tensor arguments that a segment of this backend produced live in the graph pool,
-  which keeps them reserved for replay: they are held by non-owning aliases, built once at
-  capture, so holding them does not keep pool blocks allocated. Every other argument is held
-  strongly, so none can dangle (the capture audit reports such arguments all the same: replay
+- Eager-segment tensor arguments whose storage a segment of this backend allocated live in the
+  graph pool, which keeps them reserved for replay: they are held by non-owning aliases, built
+  once at capture, so holding them does not keep pool blocks allocated. Storages are told by
+  identity, held weakly (an entry dies with its storage, so a later allocation at the same
+  address is not mistaken for one), and only new allocations count: an in-place output or a
+  view of outside memory is outside memory. Every other argument is held strongly, so none can
+  dangle (the capture audit reports such arguments all the same: replay
   would re-run the break on their capture-time value).
 """
 
@@ -31,7 +34,8 @@ import attrs
 import torch
 
 from graphs._ops import QuietDispatchMode
-from graphs._tensor_refs import map_tensors, tensors_of
+from graphs._tensor_refs import map_tensors
+from graphs.allocations import AllocationSites, new_allocations
 from graphs.backend import PoolGraphs, PoolUse
 from graphs.errors import BackendUnavailableError, CaptureError
 
@@ -55,9 +59,10 @@ class CudaGraphPool:
 
 
 class _SegmentWatch(QuietDispatchMode):
-    """Counts the ATen ops a segment issues and notes the storages their outputs live in."""
+    """Counts the ATen ops a segment issues and notes, by storage identity, the storages they
+    allocate (outputs no input shares: not in-place outputs, not views of outside memory)."""
 
-    def __init__(self, produced: set[int]) -> None:
+    def __init__(self, produced: AllocationSites) -> None:
         super().__init__()
         self.count = 0
         self.produced = produced
@@ -67,8 +72,8 @@ class _SegmentWatch(QuietDispatchMode):
     ) -> Any:
         self.count += 1
         result = func(*args, **kwargs)
-        for t in tensors_of(result):
-            self.produced.add(t.untyped_storage().data_ptr())
+        for t in new_allocations(func, args, kwargs, result):
+            self.produced.add(t, str(func))
         return result
 
 
@@ -111,8 +116,8 @@ class CudaGraphBackend:
         self.device = torch.device(device)
         self._pool = pool if pool is not None else CudaGraphPool()
         self._stream = torch.cuda.Stream(device=self.device)
-        self._produced: set[int] = set()
-        """Data pointers of storages this backend's segments produced (all in its pool)."""
+        self._produced = AllocationSites()
+        """Storages this backend's segments allocated (all in its pool), held weakly."""
         self._recording: tuple[torch.cuda.CUDAGraph, Any, _SegmentWatch, PoolUse] | None = None
         self._empty: list[tuple[torch.cuda.CUDAGraph, PoolUse]] = []
         """Graphs that recorded nothing: kept, since each holds a use of the pool (see the
@@ -164,7 +169,7 @@ class CudaGraphBackend:
         return map_tensors(value, self._hold_tensor)
 
     def _hold_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.is_cuda and tensor.untyped_storage().data_ptr() in self._produced:
+        if tensor.is_cuda and self._produced.site_of(tensor) is not None:
             return _non_owning_alias(tensor)
         return tensor
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from graphs import BackendUnavailableError, BreakableCapture, eager_break_during_capture
+from graphs.allocations import AllocationSites
 from graphs.backend import backend_for_device
-from graphs.cuda_backend import CudaGraphBackend
+from graphs.cuda_backend import CudaGraphBackend, _SegmentWatch
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without a GPU")
@@ -109,6 +110,25 @@ def test_eager_arguments_are_held_member_by_member() -> None:
     assert isinstance(held[2], Pair) and held[2].a == 8 and held[2].b == 5
     assert isinstance(held[3], Prepared) and held[3].q == 12 and held[3].scale == 1.0
     assert held[4] == "s"
+
+
+def test_the_cuda_backend_aliases_only_storages_its_segments_allocated() -> None:
+    """What the CUDA backend holds by a non-owning alias, decided on the CPU: an in-place output
+    or a view of outside memory is outside memory (held strongly, or it could dangle), and a
+    produced storage is forgotten once it is freed."""
+    produced = AllocationSites()
+    outside = torch.ones(4)
+    with torch.inference_mode(), _SegmentWatch(produced):
+        made = outside * 2
+        view_of_made = made[1:]
+        in_place = outside.add_(1)
+        view = outside[1:]
+        gone = outside + 3
+    assert produced.site_of(made) is not None and produced.site_of(view_of_made) is not None
+    assert produced.site_of(in_place) is None and produced.site_of(view) is None
+    assert produced.site_of(gone) is not None
+    del gone
+    assert produced.site_of(torch.ones(4)) is None
 
 
 @pytest.mark.cuda
