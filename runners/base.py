@@ -31,7 +31,9 @@ Invariants:
 - Host inputs reach the device through ``stage_into`` (pinned, non-blocking on a GPU).
 - The model's forward and captures run as device work (``platforms.host_tensors.device_work``):
   a simulated GPU run's host-tensor tracking stands aside there.
-- FULL graphs serve uniform-decode batches only; mixed batches never run under FULL.
+- FULL graphs serve uniform-decode batches only; mixed batches never run under FULL. So FULL
+  graphs are captured only for the sizes a batch of at most ``layout.max_rows`` tokens (one per
+  request in flight) pads to (``CaptureSizes.serving``); above them one could never replay.
 - Subclasses differ only in how metadata is built (``_write_metadata``) and which metadata memory
   is static (``_static_metadata``); the region each requires is a class attribute.
 - What the engine may schedule is one value, ``limits`` (``EngineLimits``), fixed at construction.
@@ -229,7 +231,7 @@ class ModelRunner(abc.ABC):
             for size in self.capture_sizes.largest_first():
                 for mode in dict.fromkeys(modes):
                     key = GraphKey(mode, size, width)
-                    if key in self._graphs:
+                    if key in self._graphs or size not in self._sizes(mode):
                         continue
                     start = time.perf_counter()
                     self._graph(key)
@@ -292,11 +294,18 @@ class ModelRunner(abc.ABC):
             held = self._held_widths()
             if key.width not in held and len(held) >= self.max_graph_contexts:
                 return None
-            for larger in self.capture_sizes.largest_first():
+            for larger in reversed(self._sizes(key.mode)):
                 bigger = key._replace(num_tokens=larger)
                 if larger >= key.num_tokens and bigger not in self._graphs:
                     self._graphs[bigger] = self._capture(bigger)
         return self._graphs[key]
+
+    def _sizes(self, mode: CUDAGraphMode) -> tuple[int, ...]:
+        """The sizes graphs of ``mode`` are captured for: FULL serves uniform-decode batches,
+        at most one token per block-table row, so only the sizes those pad to."""
+        if mode is CUDAGraphMode.FULL:
+            return self.capture_sizes.serving(self.layout.max_rows)
+        return self.capture_sizes.sizes
 
     def _capture(self, key: GraphKey) -> CapturedGraph:
         graphs = getattr(self._backend.pool, "graphs", None)

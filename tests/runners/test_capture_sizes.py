@@ -41,3 +41,15 @@ def test_padding_picks_the_smallest_captured_size_that_fits(
     padded = capture.padded(num_tokens)
     fitting = [s for s in sizes if s >= num_tokens]
     assert padded == (min(fitting) if fitting else None)
+
+
+@given(
+    sizes=st.lists(st.integers(1, 64), min_size=1, max_size=8),
+    rows=st.integers(1, 80),
+)
+def test_the_sizes_serving_up_to_n_tokens_are_those_1_to_n_pad_to(
+    sizes: list[int], rows: int
+) -> None:
+    capture = CaptureSizes.of(sizes, max_num_tokens=64)
+    padded = {capture.padded(n) for n in range(1, rows + 1)} - {None}
+    assert capture.serving(rows) == tuple(sorted(padded))
