@@ -7,7 +7,9 @@ Invariants:
   allocator would assert ``use_count > 0`` if a block still lived in it.
 - Segments are captured on a side stream of the backend's device; ``warm_up`` runs eager work on
   that same stream first, so library workspaces created lazily per (handle, stream) — cuBLAS's,
-  hipBLASLt's — are created outside every graph's pool. A segment that issued no ATen op is
+  hipBLASLt's — are created outside every graph's pool; the activations it freed are then
+  released (they stay cached for the side stream otherwise, memory no capture plan sees). A
+  segment that issued no ATen op is
   not a segment of the capture, but its graph is kept as long as the backend: its
   ``capture_begin`` took a use of the pool that its destructor would give back, and if it was
   the pool's first graph (a capture that begins with an eager break) the pool would be left at
@@ -134,6 +136,9 @@ class CudaGraphBackend:
             fn()
         caller.wait_stream(self._stream)
         torch.cuda.synchronize(self.device)
+        # fn's activations, freed, stay cached for the side stream (the caching allocator keeps
+        # blocks per stream), where neither the graph pool nor the main stream can reuse them
+        torch.cuda.empty_cache()
 
     def begin_segment(self) -> None:
         if self._recording is not None:

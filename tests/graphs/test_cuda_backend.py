@@ -211,6 +211,18 @@ def test_warm_up_runs_on_the_capture_stream() -> None:
 
 
 @pytest.mark.cuda
+def test_warm_up_leaves_nothing_cached_for_its_stream() -> None:
+    """The caching allocator keeps a freed block for the stream that used it: warm-up's
+    activations would stay reserved on the side stream, seen by no capture plan."""
+    backend = CudaGraphBackend(device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    backend.warm_up(lambda: torch.ones(64 << 20, dtype=torch.uint8, device="cuda").sum())
+    assert torch.cuda.memory_reserved() <= before
+
+
+@pytest.mark.cuda
 def test_eager_arguments_from_the_pool_are_aliases_and_others_are_held() -> None:
     backend = CudaGraphBackend(device="cuda")
     outside = torch.ones(4, device="cuda")
