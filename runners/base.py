@@ -21,10 +21,11 @@ Invariants:
   address-stable (V2) or read eagerly (V1's wide region). The capture audit checks exactly that.
 - The runner's graphs share one backend and its memory pool; the pool is fresh per runner, and
   the runner takes a new backend (a fresh pool) whenever its pool is retired — after
-  ``clear_graphs`` or a failed first capture — since a pool is never recorded into again once
-  its graphs are gone. Within a context bucket, graphs are captured largest size first (also
-  when captured lazily), so smaller captures reuse the pool memory of larger ones; ``capture``
-  takes the buckets it holds largest first too.
+  ``clear_graphs`` — since a pool is never recorded into again once its graphs are gone, and
+  after any failed capture, whatever failed (its graphs captured before keep the old one).
+  Within a context bucket, graphs are captured largest size first (also when captured lazily),
+  so smaller captures reuse the pool memory of larger ones; ``capture`` takes the buckets it
+  holds largest first too.
 - Graphs are held for at most ``max_graph_contexts`` context buckets (the smallest ones when
   captured ahead of time, otherwise the first ones used); a step in any other bucket runs
   eagerly at its exact width, so its cost still follows its actual context.
@@ -312,17 +313,23 @@ class ModelRunner(abc.ABC):
         if isinstance(graphs, PoolGraphs) and graphs.retired:
             self._backend = self.platform.graph_backend()
         size = key.num_tokens
-        with device_work():
-            return capture_step(
-                self.model,
-                key=key,
-                input_ids=self.input_ids[:size],
-                positions=self.positions[:size],
-                dummy_context=lambda: self._context(self._write_metadata((), size, key.width)),
-                backend=self._backend,
-                static=self.static_memory,
-                audit=self.audit,
-            )
+        try:
+            with device_work():
+                return capture_step(
+                    self.model,
+                    key=key,
+                    input_ids=self.input_ids[:size],
+                    positions=self.positions[:size],
+                    dummy_context=lambda: self._context(self._write_metadata((), size, key.width)),
+                    backend=self._backend,
+                    static=self.static_memory,
+                    audit=self.audit,
+                )
+        except BaseException:
+            # whatever failed, the backend's stream and pool may be left in any state (on CUDA
+            # an invalidated capture, blocks it allocated): the next capture takes fresh ones
+            self._backend = self.platform.graph_backend()
+            raise
 
     def _validate(
         self, chunks: Sequence[ScheduledChunk], token_ids: Sequence[Sequence[int]]
