@@ -70,6 +70,42 @@ def test_unknown_held_bytes_render_as_n_a() -> None:
     assert "None" not in text
 
 
+def test_vs_transformers_runs_transformers_on_the_engines_device(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The peer runs where the engine runs (on a GPU platform, the GPU: transformers' default,
+    the CPU, would compare devices), and the payload names both devices."""
+    import runners.measure.suite as suite
+
+    asked: dict[str, object] = {}
+    baseline = suite.transformers_baseline
+
+    def spy(*args: object, **kwargs: object) -> object:
+        asked.update(kwargs)
+        return baseline(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(suite, "transformers_baseline", spy)
+    assert main(["bench", "--platform", "cpu", *FAST, "--vs-transformers", "--json"]) == 0
+    generation = json.loads(capsys.readouterr().out)["generation"]
+    assert asked.get("device") == torch.device("cpu")
+    assert generation["devices"] == {"engine": "cpu", "transformers": "cpu"}
+    assert generation["same_tokens_as_uncached_forward"] is True
+
+
+@pytest.mark.cuda
+def test_vs_transformers_on_cuda_runs_both_on_the_gpu() -> None:
+    argv = ["bench", "--platform", "cuda", *FAST, "--vs-transformers", "--json"]
+    result = subprocess.run(
+        [sys.executable, "-m", "runners.cli.main", *argv],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    generation = json.loads(result.stdout)["generation"]
+    assert generation["devices"] == {"engine": "cuda", "transformers": "cuda"}
+
+
 def test_timed_returns_the_result_and_host_seconds_on_the_cpu() -> None:
     result, seconds = timed(lambda: torch.ones(4).sum(), torch.device("cpu"))
     assert float(result) == 4.0 and seconds >= 0
