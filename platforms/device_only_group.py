@@ -12,9 +12,9 @@ refuses a host one with NCCL's own words, then where it was made.
 Invariants:
 - Every collective the group serves (``broadcast``, ``all_reduce``, ``all_gather_single`` and
   ``all_gather_into_tensor``, ``all_gather``, ``barrier``) checks every tensor it is given
-  before any rank sends anything, so a refused collective leaves the ranks in step; the others
-  reach torch's ``ProcessGroup``, which has no backend for CPU tensors here and refuses them
-  with the same error.
+  before this rank sends anything (ranks running the same code refuse together, as under
+  NCCL); any other collective reaches torch's ``ProcessGroup``, which has no backend for CPU
+  tensors here and refuses it with the same error.
 - Accepted collectives are gloo's, unchanged: values and ordering are a plain gloo group's.
 - ``register_device_only_backend`` (re)binds the backend name to one ``HostTensors``: call it
   right before ``init_process_group`` in the process that will use the group.
