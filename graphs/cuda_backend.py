@@ -8,12 +8,12 @@ Invariants:
 - Segments are captured on a side stream of the backend's device; ``warm_up`` runs eager work on
   that same stream first, so library workspaces created lazily per (handle, stream) — cuBLAS's,
   hipBLASLt's — are created outside every graph's pool; the activations it freed are then
-  released (they stay cached for the side stream otherwise, memory no capture plan sees). A
-  segment that issued no ATen op is
-  not a segment of the capture, but its graph is kept as long as the backend: its
-  ``capture_begin`` took a use of the pool that its destructor would give back, and if it was
-  the pool's first graph (a capture that begins with an eager break) the pool would be left at
-  zero uses and the next ``capture_begin`` would assert (``use_count > 0``).
+  released (they stay cached for the side stream otherwise, memory no capture plan sees).
+- A segment that issued no ATen op is not a segment of the capture, but its graph is kept as
+  long as the backend: its ``capture_begin`` took a use of the pool that its destructor would
+  give back, and if it was the pool's first graph (a capture that begins with an eager break)
+  the pool would be left at zero uses and the next ``capture_begin`` would assert
+  (``use_count > 0``).
 - ``begin_segment``, ``end_segment`` and ``abort_segment`` are exception-safe: the backend's
   state is stored only once capture has begun, and the caller's stream is current again after
   any of them, whatever raised.
@@ -23,8 +23,8 @@ Invariants:
   identity, held weakly (an entry dies with its storage, so a later allocation at the same
   address is not mistaken for one), and only new allocations count: an in-place output or a
   view of outside memory is outside memory. Every other argument is held strongly, so none can
-  dangle (the capture audit reports such arguments all the same: replay
-  would re-run the break on their capture-time value).
+  dangle (the capture audit reports such arguments all the same: replay would re-run the break
+  on their capture-time value).
 """
 
 from __future__ import annotations

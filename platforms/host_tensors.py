@@ -25,7 +25,8 @@ Invariants:
   keeps a tensor alive, and a freed storage's key is never mistaken for a new one.
 - ``device_work()`` sets the mode aside (for the block, in this thread): a runner's step is work
   on the device — every tensor its model computes comes from its parameters and the runner's
-  device buffers — and watching each of its ~1,000 ops would more than double a step's cost.
+  device buffers — and watching each of its calls made the built-in model's eager steps 2.4
+  times slower.
 """
 
 from __future__ import annotations
