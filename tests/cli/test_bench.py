@@ -28,12 +28,30 @@ def _assert_measured(payload: dict) -> None:
     assert payload["generation"]["tokens_per_s"]["engine"] > 0
 
 
-def test_json_names_the_cpu_platform(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "--platform", "cpu", *FAST, "--json"]) == 0
+def test_json_names_the_cpu_platform_and_transformers_runs_on_its_device(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With --vs-transformers the peer runs where the engine runs (on a GPU platform, the GPU:
+    transformers' default, the CPU, would compare devices), and the payload names both."""
+    import runners.measure.suite as suite
+
+    asked: dict[str, object] = {}
+    baseline = suite.transformers_baseline
+
+    def spy(*args: object, **kwargs: object) -> object:
+        asked.update(kwargs)
+        return baseline(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(suite, "transformers_baseline", spy)
+    assert main(["bench", "--platform", "cpu", *FAST, "--vs-transformers", "--json"]) == 0
     payload = json.loads(capsys.readouterr().out)
     assert (payload["platform"], payload["simulated"], payload["device"]) == ("cpu", False, "cpu")
     assert payload["capture"]["held_bytes"] > 0
     _assert_measured(payload)
+    generation = payload["generation"]
+    assert asked.get("device") == torch.device("cpu")
+    assert generation["devices"] == {"engine": "cpu", "transformers": "cpu"}
+    assert generation["same_tokens_as_uncached_forward"] is True
 
 
 def test_human_output_names_the_simulated_platform(capsys: pytest.CaptureFixture[str]) -> None:
@@ -68,28 +86,6 @@ def test_unknown_held_bytes_render_as_n_a() -> None:
     assert text.splitlines()[0] == "platform cuda, device cuda"
     assert "capture: 1 graphs in 0.01s, n/a held by captures (n/a the 3.0 MiB peak" in text
     assert "None" not in text
-
-
-def test_vs_transformers_runs_transformers_on_the_engines_device(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The peer runs where the engine runs (on a GPU platform, the GPU: transformers' default,
-    the CPU, would compare devices), and the payload names both devices."""
-    import runners.measure.suite as suite
-
-    asked: dict[str, object] = {}
-    baseline = suite.transformers_baseline
-
-    def spy(*args: object, **kwargs: object) -> object:
-        asked.update(kwargs)
-        return baseline(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(suite, "transformers_baseline", spy)
-    assert main(["bench", "--platform", "cpu", *FAST, "--vs-transformers", "--json"]) == 0
-    generation = json.loads(capsys.readouterr().out)["generation"]
-    assert asked.get("device") == torch.device("cpu")
-    assert generation["devices"] == {"engine": "cpu", "transformers": "cpu"}
-    assert generation["same_tokens_as_uncached_forward"] is True
 
 
 @pytest.mark.cuda
