@@ -68,7 +68,7 @@ from runners.engine import LLM, EngineLimits, ScheduledChunk
 from runners.errors import PlatformNotImportableError
 from runners.resolution import Resolution
 from runners.shared_logits import SharedLogits
-from runners.spec import EngineSpec, build_engine, check_spec
+from runners.spec import EngineSpec, build_engine, check_spec, config_of, llm_of
 
 __all__ = ["RankedEngine", "RankedExecutor", "launch_engine"]
 
@@ -278,7 +278,14 @@ def launch_engine(spec: EngineSpec) -> RankedEngine:
             "cannot import: move it to a module, or register it as a plugin and pass its name"
         )
     ranks = RankedExecutor(spec, process_group_backend(resolution.platform))
-    return RankedEngine(resolution=resolution, llm=LLM(ranks), ranks=ranks, capacity=ranks.capacity)
+    try:
+        with warnings.catch_warnings():  # rank 0 said them already (re-raised by RankedExecutor)
+            warnings.simplefilter("ignore")
+            llm = llm_of(ranks, spec, config_of(spec))
+    except BaseException:
+        ranks.close()
+        raise
+    return RankedEngine(resolution=resolution, llm=llm, ranks=ranks, capacity=ranks.capacity)
 
 
 @contextlib.contextmanager

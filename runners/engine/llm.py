@@ -23,7 +23,11 @@ Invariants:
   by threads.
 - Host work per step is proportional to the number of chunks, not to the tokens fed (prefill
   chunks are slices of the request's token list) nor to the vocabulary (one argmax for all
-  greedy rows).
+  greedy rows; penalties, masks and log-probabilities are batched: ``processing``), nor to the
+  length of the output (text is decoded incrementally: ``text``).
+- Stopping: a request stops at its ``stop_token_ids``, at the engine's ``eos_token_ids`` (the
+  checkpoint's EOS ids for an engine ``build_engine`` builds) unless it sets ``ignore_eos``, and
+  at its stop strings, matched in the text the engine's ``detokenize`` gives.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 import attrs
+import torch
 
 from runners.engine.errors import (
     EngineConfigError,
@@ -43,9 +48,17 @@ from runners.engine.errors import (
 )
 from runners.engine.executor import StepExecutor
 from runners.engine.params import SamplingParams
-from runners.engine.request import FinishReason, Request, RequestFailedError, RequestOutput
+from runners.engine.processing import LogitsProcessing, record_logprobs
+from runners.engine.request import (
+    FinishReason,
+    Listener,
+    Request,
+    RequestFailedError,
+    RequestOutput,
+)
 from runners.engine.sampling import sample, seeded_generator
 from runners.engine.scheduler import Scheduler
+from runners.engine.text import Detokenize
 
 __all__ = ["LLM", "EngineStats", "GenerateProgress"]
 
@@ -93,10 +106,17 @@ class LLM:
     """
 
     def __init__(
-        self, executor: StepExecutor, *, max_num_batched_tokens: int | None = None
+        self,
+        executor: StepExecutor,
+        *,
+        max_num_batched_tokens: int | None = None,
+        eos_token_ids: Sequence[int] = (),
+        detokenize: Detokenize | None = None,
     ) -> None:
         """``max_num_batched_tokens``: the token budget of one step (default and upper bound:
-        the executor's ``limits.max_num_tokens``)."""
+        the executor's ``limits.max_num_tokens``); ``eos_token_ids``: the ids that end every
+        request not ignoring EOS; ``detokenize``: token ids to text, for ``RequestOutput.text``
+        and stop strings (without it, a request with stop strings is refused)."""
         self.executor = executor
         limits = executor.limits
         budget = limits.max_num_tokens if max_num_batched_tokens is None else max_num_batched_tokens
@@ -106,6 +126,13 @@ class LLM:
                 f"(the executor's max_num_tokens), got {budget}"
             )
         self.vocab_size = limits.vocab_size
+        bad = [i for i in eos_token_ids if not 0 <= i < limits.vocab_size]
+        if bad:
+            raise EngineConfigError(
+                f"eos token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})"
+            )
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.detokenize = detokenize
         self.block_size = limits.block_size
         self.max_context = limits.max_context
         self.scheduler = Scheduler(
@@ -117,6 +144,7 @@ class LLM:
             entry_rate=limits.entry_rate,
             lookback=limits.lookback,
         )
+        self._processing = LogitsProcessing(limits.max_rows, limits.vocab_size)
         self._ids = itertools.count()
         self._undelivered: list[RequestOutput] = []
         self._generated_tokens = 0
@@ -128,11 +156,21 @@ class LLM:
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        listener: Listener | None = None,
     ) -> str:
         """Queue a request and return its id; raise ``InvalidRequestError`` (or its subclass
-        ``RequestTooLongError``) without changing anything if it is malformed or can never fit."""
+        ``RequestTooLongError``) without changing anything if it is malformed or can never fit.
+
+        One choice per request: ``params.n`` must be 1 (add ``params.choice(i)`` for each
+        choice). ``listener`` is handed a ``RequestUpdate`` after each step that sampled a
+        token for the request, the last one carrying its output (not after ``abort``)."""
         with self._lock:
-            request = self._prepare(prompt_ids, params, request_id)
+            if params is not None and isinstance(params, SamplingParams) and params.n != 1:
+                raise InvalidRequestError(
+                    f"add_request takes one choice, got n = {params.n}: add params.choice(i) "
+                    "for each choice (generate does)"
+                )
+            request = self._prepare(prompt_ids, params, request_id, listener)
             self.scheduler.add(request)
             return request.request_id
 
@@ -140,7 +178,7 @@ class LLM:
         """Raise what ``add_request`` would raise for this prompt, changing nothing (so a caller
         can refuse bad input before expensive work such as graph capture)."""
         with self._lock:
-            self._prepare(prompt_ids, params, request_id="")
+            self._prepare(prompt_ids, params, request_id="", listener=None)
 
     def step(self) -> list[RequestOutput]:
         """Run one step; return the requests that finished in it (and any finished during a
@@ -192,7 +230,8 @@ class LLM:
         *,
         progress: Callable[[GenerateProgress], None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs in prompt order. All prompts are validated before
+        """Generate for every prompt; outputs in prompt order (a prompt whose params have
+        ``n > 1`` gives its ``n`` choices one after another). All prompts are validated before
         any is queued; on any exception (including KeyboardInterrupt) this call's requests are
         aborted, so the engine is left as it was found. If requests fail (their logits could not
         be sampled), the others still finish, then ``RequestFailedError`` is raised with every
@@ -206,8 +245,11 @@ class LLM:
                     f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts"
                 )
         with self._lock:
-            pairs = zip(prompts, per_prompt, strict=True)
-            requests = [self._prepare(p, sp, None) for p, sp in pairs]
+            requests = [
+                self._prepare(prompt, choice, None, None)
+                for prompt, sp in zip(prompts, per_prompt, strict=True)
+                for choice in _choices(sp)
+            ]
             mine = {r.request_id: i for i, r in enumerate(requests)}
             for request in requests:
                 self.scheduler.add(request)
@@ -259,12 +301,29 @@ class LLM:
         for request in requests:
             if request.generator is None and request.params.seed is not None:
                 request.generator = seeded_generator(request.params.seed, logits.device)
-        tokens = sample(logits, [r.params for r in requests], [r.generator for r in requests])
+        processed = self._processing.process(logits, requests)
+        tokens = sample(
+            processed,
+            [r.params for r in requests],
+            [r.generator for r in requests],
+            finite=None if processed is logits else torch.isfinite(logits).all(dim=-1),
+        )
+        record_logprobs(logits, requests, tokens)
         self._generated_tokens += sum(isinstance(t, int) for t in tokens)
-        return self.scheduler.commit(step, tokens)
+        finished = self.scheduler.commit(step, tokens)
+        self._processing.record(requests)
+        outputs = {output.request_id: output for output in finished}
+        for request in requests:
+            if request.listener is not None:
+                request.listener(request.update(outputs.get(request.request_id)))
+        return finished
 
     def _prepare(
-        self, prompt_ids: Sequence[int], params: SamplingParams | None, request_id: str | None
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None,
+        request_id: str | None,
+        listener: Listener | None,
     ) -> Request:
         if params is None:
             params = SamplingParams()
@@ -274,7 +333,13 @@ class LLM:
         if not prompt:
             raise InvalidRequestError("prompt is empty: give at least one token id")
         self._check_vocab(prompt)
-        for stop in sorted(params.stop_ids):
+        if params.stop and (self.detokenize is None or not params.detokenize):
+            raise InvalidRequestError(
+                "stop strings need text: this engine has no detokenizer"
+                if self.detokenize is None
+                else "stop strings need text: detokenize is off"
+            )
+        for stop in sorted(params.stop_token_ids):
             if stop >= self.vocab_size:
                 raise InvalidRequestError(
                     f"stop token id {stop} is outside the vocabulary [0, {self.vocab_size})"
@@ -305,7 +370,14 @@ class LLM:
             raise InvalidRequestError(f"request_id must be a str, got {request_id!r}")
         elif request_id in self.scheduler.live:
             raise InvalidRequestError(f"request id {request_id!r} is already live")
-        return Request(request_id, prompt, params)
+        return Request(
+            request_id,
+            prompt,
+            params,
+            eos_token_ids=self.eos_token_ids,
+            detokenize=self.detokenize,
+            listener=listener,
+        )
 
     def _check_vocab(self, prompt: tuple[int, ...]) -> None:
         if min(prompt) >= 0 and max(prompt) < self.vocab_size:
@@ -321,6 +393,13 @@ class LLM:
             candidate = str(next(self._ids))
             if candidate not in self.scheduler.live:
                 return candidate
+
+
+def _choices(params: SamplingParams | None) -> list[SamplingParams | None]:
+    """The parameters of each choice of one prompt (``SamplingParams.choice``)."""
+    if not isinstance(params, SamplingParams) or params.n == 1:
+        return [params]
+    return [params.choice(i) for i in range(params.n)]
 
 
 def _token_ids(prompt_ids: Sequence[int]) -> tuple[int, ...]:
