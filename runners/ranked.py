@@ -162,6 +162,15 @@ class RankedExecutor:
     def num_eager_breaks(self) -> int:
         return int(self._request(("read", "num_eager_breaks", ()), ranks=1))
 
+    def check(self) -> None:
+        """Raise ``RankFailedError`` naming the cause if any rank has exited or failed, even
+        while no step runs (a server checks its ranks while idle)."""
+        with self._lock:
+            if self._failure is not None:
+                raise RankFailedError(self._failure)
+            if self._pending == 0 and any(p.poll() is not None for p in self._processes):
+                self._reply()  # a rank is gone, so its pipe has ended: names it and raises
+
     def close(self) -> None:
         """Stop every rank (idempotent); later calls raise ``RankFailedError``."""
         self._failure = self._failure or "the engine is closed"
