@@ -100,8 +100,11 @@ class ServerContext:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids)
 
     def token_text(self, token: int) -> str:
-        """A token's own text (for log-probabilities); ``token_id:N`` without a tokenizer."""
-        return f"token_id:{token}" if self.tokenizer is None else self.tokenizer.decode([token])
+        """A token's own text, for log-probabilities: its decoded text, or ``token_id:N`` when
+        that is not a whole text of its own (part of a character's bytes, a special token, no
+        tokenizer), so distinct tokens never share a name."""
+        text = "" if self.tokenizer is None else self.tokenizer.decode([token])
+        return text if text and "\ufffd" not in text else f"token_id:{token}"
 
     def check_ids(self, ids: Sequence[int], field: str) -> None:
         bad = next((t for t in ids if t >= self.vocab_size), None)
