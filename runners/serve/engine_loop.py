@@ -30,8 +30,8 @@ from typing import Any
 
 import attrs
 
-from runners.distributed import one_line
-from runners.engine import LLM, RequestUpdate, SamplingParams
+from runners.distributed import RankFailedError, one_line
+from runners.engine import LLM, EngineError, RequestUpdate, SamplingParams
 from runners.serve.metrics import Metrics
 
 __all__ = ["EngineDeadError", "EngineLoop", "Sink"]
@@ -117,6 +117,10 @@ class EngineLoop:
         """Abort a request (no-op once it ended); never blocks."""
         self._send("abort", request_id)
 
+    def abort_all(self, reason: str) -> None:
+        """Abort every live request, telling each one's sink ``reason``; never blocks."""
+        self._send("abort_all", reason)
+
     def _send(self, kind: str, payload: Any) -> None:
         with self._gate:
             if self._closed is not None:
@@ -143,7 +147,8 @@ class EngineLoop:
                     self._check()
                 self._observe()
         except BaseException as exc:
-            self._die(one_line(exc))
+            known = isinstance(exc, RankFailedError | EngineError)  # their messages say it all
+            self._die(" ".join(str(exc).split()) if known else one_line(exc))
             return
         self._close("the server is shutting down")
         for request_id in list(self._live):
@@ -158,6 +163,12 @@ class EngineLoop:
                 return
             if kind == "abort":
                 self._abort(payload)
+                continue
+            if kind == "abort_all":
+                for request_id, live in list(self._live.items()):
+                    self._abort(request_id)
+                    self._updates.append((live.sink, payload))
+                self._hand_off()
                 continue
             request_id, prompt, params, live, accepted = payload
             try:

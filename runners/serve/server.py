@@ -6,10 +6,10 @@ Invariants:
   answers only once the engine is built and its graphs are captured: ``/health`` is 200 from
   the first connection it accepts.
 - SIGTERM or SIGINT stops accepting connections, lets requests in flight finish for up to
-  ``grace_s`` seconds, then cancels them (their engine requests are aborted), stops the engine
-  loop, and returns normally (exit 0). A second SIGINT skips the grace period. Unlike uvicorn's
-  own handling, the signal is not raised again afterwards (which would end the process with
-  its default action instead of exit 0).
+  ``grace_s`` seconds, then aborts them (each ends with an error event, or a 503, saying the
+  server is shutting down), stops the engine loop, and returns normally (exit 0). A second
+  SIGINT skips the grace period. Unlike uvicorn's own handling, the signal is not raised again
+  afterwards (which would end the process with its default action instead of exit 0).
 - When the engine fails, the server shuts down the same way and ``serve`` returns the reason,
   so the command ends with one line and a non-zero exit.
 """
@@ -49,8 +49,20 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+SHUTTING_DOWN = "the server is shutting down"
+_CANCEL_AFTER_S = 5.0
+"""Seconds after the grace period before uvicorn cancels what still runs (nothing should:
+every request was aborted at the end of the grace period)."""
+
+
 class _Server(uvicorn.Server):
     """uvicorn with the signal handling of the module docstring."""
+
+    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop, grace_s: float) -> None:
+        super().__init__(config)
+        self.engine_loop = engine_loop
+        self.grace_s = grace_s
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -65,9 +77,18 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
     def _stop(self, signum: int, frame: FrameType | None) -> None:
-        if self.should_exit and signum == signal.SIGINT:
-            self.force_exit = True
+        first = not self.should_exit
         self.should_exit = True
+        if self.loop is None:
+            return
+        if first:
+            self.loop.call_soon_threadsafe(self._end_grace_later)
+        elif signum == signal.SIGINT:
+            self.engine_loop.abort_all(SHUTTING_DOWN)
+
+    def _end_grace_later(self) -> None:
+        assert self.loop is not None
+        self.loop.call_later(self.grace_s, self.engine_loop.abort_all, SHUTTING_DOWN)
 
 
 def serve(
@@ -86,14 +107,15 @@ def serve(
         lifespan="off",
         access_log=False,
         log_level=log_level,
-        timeout_graceful_shutdown=max(grace_s, 0.1),  # type: ignore[arg-type]  # a float works
+        timeout_graceful_shutdown=grace_s + _CANCEL_AFTER_S,  # type: ignore[arg-type]  # a float
         timeout_keep_alive=5,
     )
-    server = _Server(config)
+    server = _Server(config, engine_loop, grace_s)
     failure: list[str] = []
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
+        server.loop = loop
 
         def died(reason: str) -> None:
             failure.append(reason)
