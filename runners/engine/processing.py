@@ -56,7 +56,7 @@ class LogitsProcessing:
             rows = [i for i in masked for _ in requests[i].stop_ids]
             ids = [t for i in masked for t in sorted(requests[i].stop_ids)]
             device = logits.device
-            index = (torch.tensor(rows, device=device), torch.tensor(ids, device=device))
+            index = (_ids(rows, device), _ids(ids, device))
             logits.index_put_(index, torch.tensor(float("-inf"), device=device))
         return logits
 
@@ -77,7 +77,7 @@ class LogitsProcessing:
                 self._owner[row] = (request, length + 1)
         if rows:
             device = self._counts.device
-            index = (torch.tensor(rows, device=device), torch.tensor(tokens, device=device))
+            index = (_ids(rows, device), _ids(tokens, device))
             self._counts.index_put_(index, torch.ones(len(rows), device=device), accumulate=True)
             self._seen.index_put_(index, torch.tensor(True, device=device))
 
@@ -94,8 +94,8 @@ class LogitsProcessing:
         assert self._seen is not None
         for request in requests:
             self._own(request)
-        rows = torch.tensor([r.row for r in requests], device=device)
-        where = torch.tensor(positions, device=device)
+        rows = _ids([r.row for r in requests], device)
+        where = _ids(positions, device)
         counts, seen, x = self._counts[rows], self._seen[rows], logits[where]
 
         def column(values: list[float]) -> torch.Tensor:
@@ -114,13 +114,13 @@ class LogitsProcessing:
         if self._owner[row] == (request, len(request.token_ids)):
             return
         device = self._counts.device
-        output = torch.tensor(request.token_ids[request.prompt_len :], device=device)
+        output = _ids(request.token_ids[request.prompt_len :], device)
         self._counts[row].zero_()
         self._counts[row].index_put_(
             (output,), torch.ones(len(output), device=device), accumulate=True
         )
         self._seen[row].zero_()
-        self._seen[row, torch.tensor(request.token_ids, device=device)] = True
+        self._seen[row, _ids(request.token_ids, device)] = True
         self._owner[row] = (request, len(request.token_ids))
 
 
@@ -136,8 +136,8 @@ def record_logprobs(
     if not rows:
         return
     device = raw.device
-    chosen = torch.tensor([tokens[i] for i in rows], device=device)
-    logprobs = raw[torch.tensor(rows, device=device)].float().log_softmax(dim=-1)
+    chosen = _ids([tokens[i] for i in rows], device)
+    logprobs = raw[_ids(rows, device)].float().log_softmax(dim=-1)
     own: list[float] = logprobs.gather(1, chosen[:, None])[:, 0].tolist()
     width = max(requests[i].params.logprobs or 0 for i in rows)
     top_values: list[list[float]] = [[] for _ in rows]
@@ -156,3 +156,8 @@ def record_logprobs(
                 top=tuple(zip(top_ids[j][:k], top_values[j][:k], strict=True)),
             )
         )
+
+
+def _ids(values: Sequence[object], device: torch.device) -> torch.Tensor:
+    """Indices as an int64 tensor (also when empty)."""
+    return torch.tensor(values, dtype=torch.int64, device=device)
