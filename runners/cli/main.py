@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 
 import runners.cli.bench as bench
 import runners.cli.bench_load as bench_load
+import runners.cli.bench_serve as bench_serve
 import runners.cli.explain as explain
 import runners.cli.init_checkpoint as init_checkpoint
 import runners.cli.matrix as matrix
@@ -41,6 +42,7 @@ COMMANDS: dict[str, ModuleType] = {
     "bench-load": bench_load,
     "init-checkpoint": init_checkpoint,
     "serve": serve,
+    "bench-serve": bench_serve,
 }
 
 
