@@ -33,19 +33,12 @@ Invariants:
 from __future__ import annotations
 
 import itertools
-import operator
 import threading
 from collections.abc import Callable, Sequence
 
-import attrs
 import torch
 
-from runners.engine.errors import (
-    EngineConfigError,
-    ExecutorError,
-    InvalidRequestError,
-    RequestTooLongError,
-)
+from runners.engine.errors import EngineConfigError, ExecutorError, InvalidRequestError
 from runners.engine.executor import StepExecutor
 from runners.engine.params import SamplingParams
 from runners.engine.processing import LogitsProcessing, record_logprobs
@@ -58,41 +51,11 @@ from runners.engine.request import (
 )
 from runners.engine.sampling import sample, seeded_generator
 from runners.engine.scheduler import Scheduler
+from runners.engine.stats import EngineStats, GenerateProgress
 from runners.engine.text import Detokenize
+from runners.engine.validation import check_fits, check_params, check_prompt
 
 __all__ = ["LLM", "EngineStats", "GenerateProgress"]
-
-
-@attrs.frozen(kw_only=True)
-class GenerateProgress:
-    """Reported to ``generate``'s ``progress`` callback after every step."""
-
-    finished: int
-    """Requests of this ``generate`` call that have finished."""
-    total: int
-    """Requests of this ``generate`` call."""
-    generated_tokens: int
-    """Tokens the engine sampled since this call began."""
-
-
-@attrs.frozen(kw_only=True)
-class EngineStats:
-    """A snapshot of the engine's queues and cache occupancy."""
-
-    waiting: int
-    """Live requests without a row: new ones, and preempted ones waiting to be recomputed."""
-    running: int
-    free_blocks: int
-    total_blocks: int
-    free_rows: int
-    total_rows: int
-    free_entry_blocks: int
-    total_entry_blocks: int
-    released_blocks: int
-    """Blocks running requests gave back so far, their positions past every layer's lookback."""
-    preemptions: int
-    """Requests preempted so far (each time, so one request may count more than once): each one
-    gave back its blocks and row and is recomputed from its tokens when it resumes."""
 
 
 class LLM:
@@ -325,45 +288,9 @@ class LLM:
         request_id: str | None,
         listener: Listener | None,
     ) -> Request:
-        if params is None:
-            params = SamplingParams()
-        elif not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
-        prompt = _token_ids(prompt_ids)
-        if not prompt:
-            raise InvalidRequestError("prompt is empty: give at least one token id")
-        self._check_vocab(prompt)
-        if params.stop and (self.detokenize is None or not params.detokenize):
-            raise InvalidRequestError(
-                "stop strings need text: this engine has no detokenizer"
-                if self.detokenize is None
-                else "stop strings need text: detokenize is off"
-            )
-        for stop in sorted(params.stop_token_ids):
-            if stop >= self.vocab_size:
-                raise InvalidRequestError(
-                    f"stop token id {stop} is outside the vocabulary [0, {self.vocab_size})"
-                )
-        cached = len(prompt) + params.max_tokens - 1
-        if len(prompt) > self.max_context:
-            raise RequestTooLongError(
-                f"prompt of {len(prompt)} tokens exceeds the maximum context of "
-                f"{self.max_context} tokens"
-            )
-        if cached > self.max_context:
-            raise RequestTooLongError(
-                f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} exceeds the "
-                f"maximum context of {self.max_context} tokens; use max_tokens <= "
-                f"{self.max_context - len(prompt) + 1}"
-            )
-        blocks, entry_blocks = self.scheduler.most_held(cached)
-        pools = self.scheduler.blocks, self.scheduler.entry_blocks
-        for needed, pool, what in zip((blocks, entry_blocks), pools, ("KV", "entry"), strict=True):
-            if needed > pool.size:
-                raise RequestTooLongError(
-                    f"request needs {needed} {what} blocks of {self.block_size} tokens but the "
-                    f"cache has {pool.size}; shorten the prompt or max_tokens"
-                )
+        params = check_params(params, self.vocab_size, self.detokenize is not None)
+        prompt = check_prompt(prompt_ids, self.vocab_size)
+        check_fits(prompt, params, self.scheduler, self.max_context)
         if request_id is None:
             request_id = self._fresh_id()
         elif not isinstance(request_id, str):
@@ -379,15 +306,6 @@ class LLM:
             listener=listener,
         )
 
-    def _check_vocab(self, prompt: tuple[int, ...]) -> None:
-        if min(prompt) >= 0 and max(prompt) < self.vocab_size:
-            return
-        position, bad = next((i, t) for i, t in enumerate(prompt) if not 0 <= t < self.vocab_size)
-        raise InvalidRequestError(
-            f"token id {bad} at position {position} is outside the vocabulary "
-            f"[0, {self.vocab_size})"
-        )
-
     def _fresh_id(self) -> str:
         while True:
             candidate = str(next(self._ids))
@@ -400,14 +318,3 @@ def _choices(params: SamplingParams | None) -> list[SamplingParams | None]:
     if not isinstance(params, SamplingParams) or params.n == 1:
         return [params]
     return [params.choice(i) for i in range(params.n)]
-
-
-def _token_ids(prompt_ids: Sequence[int]) -> tuple[int, ...]:
-    if isinstance(prompt_ids, str | bytes):
-        raise InvalidRequestError("prompt must be a sequence of token ids, not text")
-    try:
-        return tuple(operator.index(t) for t in prompt_ids)
-    except TypeError:
-        raise InvalidRequestError(
-            f"prompt must be a sequence of int token ids, got {prompt_ids!r:.60}"
-        ) from None
