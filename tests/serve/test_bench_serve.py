@@ -60,6 +60,7 @@ class _Scripted(BaseHTTPRequestHandler):
         "total_tokens": 11,
     }
     status = 200
+    done = True
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers["Content-Length"]))
@@ -77,7 +78,8 @@ class _Scripted(BaseHTTPRequestHandler):
             self.wfile.write(
                 f"data: {json.dumps({'choices': [], 'usage': self.usage})}\n\n".encode()
             )
-        self.wfile.write(b"data: [DONE]\n\n")
+        if self.done:
+            self.wfile.write(b"data: [DONE]\n\n")
 
     def log_message(self, *args: Any) -> None:
         pass
@@ -96,10 +98,13 @@ def scripted() -> Iterator[tuple[str, type[_Scripted]]]:
         httpd.server_close()
 
 
+@pytest.mark.parametrize("done", [True, False], ids=["[DONE]", "closed"])
 def test_tokens_come_from_usage_not_from_chunks(
-    scripted: tuple[str, type[_Scripted]], capsys: pytest.CaptureFixture[str]
+    scripted: tuple[str, type[_Scripted]], capsys: pytest.CaptureFixture[str], done: bool
 ) -> None:
-    url, _ = scripted
+    """A stream may end with ``[DONE]`` or by closing, as ``transformers serve``'s do."""
+    url, handler = scripted
+    handler.done = done
     code, report = bench(capsys, "--base-url", url, "--model", "m", "--num-prompts", "4")
     assert code == 0 and report["completed"] == 4
     assert (report["mean_output_tokens"], report["mean_prompt_tokens"]) == (6, 5)  # not 3 chunks
