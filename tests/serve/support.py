@@ -30,7 +30,9 @@ _READY = re.compile(r"^dsv4 serve: serving .* on (http://\S+)$")
 class ServerProcess:
     """One ``dsv4 serve`` process (module docstring); its stderr is collected in ``stderr``."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+    ) -> None:
         self.args = ["serve", "--port", "0", *args]
         self.process = subprocess.Popen(
             [*DSV4, *self.args],
@@ -38,6 +40,7 @@ class ServerProcess:
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, **(env or {})},
+            cwd=cwd,
         )
         self.lines: list[str] = []
         self._ready = threading.Event()
