@@ -61,9 +61,7 @@ class EngineFailedError(RuntimeError):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
-    group.add_argument(
-        "--port", type=at_least(0), default=8000, help="port (8000; 0 picks a free one)"
-    )
+    group.add_argument("--port", type=_port, default=8000, help="port (8000; 0 picks a free one)")
     group.add_argument(
         "--served-model-name",
         default=None,
@@ -100,6 +98,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_model_options(parser)
     add_policy_options(parser, platform_required=False)
+
+
+def _port(text: str) -> int:
+    value = at_least(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be <= 65535, got {value}")
+    return value
 
 
 @attrs.frozen(kw_only=True)

@@ -87,15 +87,21 @@ class Generation:
         self.context.admit(self.num_choices)
         self._held = set(self._ids)
         n = self.params.n
-        try:
-            for index, request_id in enumerate(self._ids):
-                prompt = self.prompts[index // n]
-                params = self.params.choice(index % n)
-                self._open.add(request_id)
-                await self.context.loop.add(request_id, prompt, params, self._sink(index))
+        adds = []
+        for index, request_id in enumerate(self._ids):
+            prompt = self.prompts[index // n]
+            params = self.params.choice(index % n)
+            self._open.add(request_id)
+            adds.append(self.context.loop.add(request_id, prompt, params, self._sink(index)))
+        try:  # all at once: the engine takes them in one go, between two steps
+            results = await asyncio.gather(*adds, return_exceptions=True)
         except BaseException:
             self.close()
             raise
+        refused = [r for r in results if isinstance(r, BaseException)]
+        if refused:
+            self.close()
+            raise refused[0]
 
     async def updates(self) -> AsyncIterator[tuple[int, RequestUpdate]]:
         """Each choice's updates as they come, until every choice has finished; raises

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
+import subprocess
 import threading
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.serve.support import ServerProcess, children, wait_for
+from tests.serve.support import DSV4, ServerProcess, children, wait_for
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
 
@@ -36,11 +38,15 @@ def _stream(http: httpx.Client, body: dict[str, Any], events: list[dict[str, Any
 @pytest.mark.parametrize("grace", ["60", "0.5"])
 def test_sigterm_finishes_or_aborts_what_is_in_flight_and_exits_0(grace: str) -> None:
     server = ServerProcess(
-        *FAST, "--max-num-seqs", "1", "--max-queued-requests", "0", "--shutdown-grace", grace
+        *FAST,
+        *("--max-num-seqs", "1", "--max-queued-requests", "0", "--shutdown-grace", grace),
+        env={"DSV4_API_KEY": "from-the-environment"},
     )
     try:
         events: list[dict[str, Any] | str] = []
-        with server.client(timeout=300) as http:
+        with server.client() as anonymous:
+            assert anonymous.post("/v1/completions", json=LONG).status_code == 401
+        with server.client("from-the-environment", timeout=300) as http:
             body = dict(LONG, max_tokens=1000)
             streaming = threading.Thread(target=_stream, args=(http, body, events))
             streaming.start()
@@ -65,6 +71,24 @@ def test_sigterm_finishes_or_aborts_what_is_in_flight_and_exits_0(grace: str) ->
         assert all(e["choices"][0]["finish_reason"] is None for e in events[:-2])
         assert "1 aborted" in out
     assert "Traceback" not in server.stderr
+
+
+def test_bad_server_flags_and_a_port_in_use_fail_before_the_model_loads() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for argv, code, message in (
+            (["--port", port], 1, f"cannot listen on 127.0.0.1:{port}"),
+            (["--port", "65536"], 2, "argument --port: must be <= 65535"),
+            (["--max-request-bytes", "lots"], 2, "argument --max-request-bytes"),
+            (["--shutdown-grace", "-1"], 2, "argument --shutdown-grace: must be >= 0"),
+        ):
+            done = subprocess.run(
+                [*DSV4, "serve", *argv], capture_output=True, text=True, timeout=120
+            )
+            assert done.returncode == code and done.stdout == ""
+            assert done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
 
 
 def _refused(url: str) -> bool:
