@@ -138,3 +138,46 @@ def test_a_killed_rank_ends_the_server_with_one_line(when: str) -> None:
         errors = [e for e in events if isinstance(e, dict) and "error" in e]
         assert len(errors) == 1 and "rank 1 died" in errors[0]["error"]["message"]
         assert events[-1] == "[DONE]"
+
+
+def test_a_request_whose_logits_are_nan_fails_alone(tmp_path: Path) -> None:
+    """Token 300's embedding is 3e38 in this checkpoint (finite, so it loads; its square is
+    not): a prompt holding it gets NaN logits and cannot be sampled.
+    It fails alone — a 500 error object, or an error event ending its stream — while a request
+    beside it gets its tokens, and the server stays healthy."""
+    from safetensors.torch import load_file, save_file
+
+    checkpoint = tmp_path / "ckpt"
+    subprocess.run(
+        [*DSV4, "init-checkpoint", str(checkpoint), "--preset", "tiny", "--seed", "0"],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    weights = load_file(checkpoint / "model.safetensors")
+    weights["model.embed_tokens.weight"][300] = 3e38
+    save_file(weights, checkpoint / "model.safetensors", metadata={"format": "pt"})
+    server = ServerProcess(*FAST, "--checkpoint", str(checkpoint))
+    try:
+        with server.client(timeout=300) as http:
+            good = {"model": str(checkpoint), "prompt": "Hello", "max_tokens": 40, "temperature": 0}
+            alone = http.post("/v1/completions", json=good).json()["choices"][0]["text"]
+            events: list[dict[str, Any] | str] = []
+            beside = threading.Thread(target=_stream, args=(http, good, events))
+            beside.start()
+            bad = dict(good, prompt=[72, 300])
+            failed = http.post("/v1/completions", json=bad)
+            assert failed.status_code == 500 and "NaN" in failed.json()["error"]["message"]
+            broken: list[dict[str, Any] | str] = []
+            _stream(http, bad, broken)
+            assert "NaN" in broken[-2]["error"]["message"] and broken[-1] == "[DONE]"  # type: ignore[index]
+            beside.join(120)
+            texts = [
+                e["choices"][0]["text"] for e in events if isinstance(e, dict) and e["choices"]
+            ]
+            assert "".join(texts) == alone
+            assert http.get("/health").status_code == 200
+        code, _ = server.stop()
+        assert code == 0
+    finally:
+        server.kill()
