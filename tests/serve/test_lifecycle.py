@@ -40,6 +40,7 @@ def test_sigterm_finishes_or_aborts_what_is_in_flight_and_exits_0(grace: str) ->
     server = ServerProcess(
         *FAST,
         *("--max-num-seqs", "1", "--max-queued-requests", "0", "--shutdown-grace", grace),
+        *(["--json"] if grace == "60" else []),
         env={"DSV4_API_KEY": "from-the-environment"},
     )
     try:
@@ -63,9 +64,11 @@ def test_sigterm_finishes_or_aborts_what_is_in_flight_and_exits_0(grace: str) ->
         server.kill()
     assert code == 0, server.stderr
     assert children(server.pid) == []
-    if grace == "60":  # it finished: every token, then [DONE]
+    if grace == "60":  # it finished: every token, then [DONE]; --json: one object
         assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
-        assert "1 at their length" in out and "0 aborted" in out
+        summary = json.loads(out)
+        assert summary["requests"] == {"stop": 0, "length": 1, "abort": 0, "error": 0}
+        assert summary["model"] == "dsv4-tiny" and summary["generated_tokens"] == 1000
     else:  # cut: never finished, its request aborted with an error event
         assert events[-1] == "[DONE]" and "shutting down" in events[-2]["error"]["message"]
         assert all(e["choices"][0]["finish_reason"] is None for e in events[:-2])
