@@ -34,10 +34,11 @@ from runners.distributed import RankFailedError, one_line
 from runners.engine import LLM, EngineError, RequestUpdate, SamplingParams
 from runners.serve.metrics import Metrics
 
-__all__ = ["EngineDeadError", "EngineLoop", "Sink"]
+__all__ = ["SHUTTING_DOWN", "EngineDeadError", "EngineLoop", "Sink"]
 
 IDLE_CHECK_S = 0.5
 """Seconds between health checks while no request is live."""
+SHUTTING_DOWN = "the server is shutting down"
 
 Sink = Callable[[RequestUpdate | str], None]
 """Receives a request's updates in the event loop; a ``str`` is the engine's failure."""
@@ -150,10 +151,8 @@ class EngineLoop:
             known = isinstance(exc, RankFailedError | EngineError)  # their messages say it all
             self._die(" ".join(str(exc).split()) if known else one_line(exc))
             return
-        self._close("the server is shutting down")
-        for request_id in list(self._live):
-            self._abort(request_id)
-        self._hand_off()
+        self._close(SHUTTING_DOWN)
+        self._abort_all(SHUTTING_DOWN)
 
     def _apply_commands(self) -> None:
         while True:
@@ -165,10 +164,7 @@ class EngineLoop:
                 self._abort(payload)
                 continue
             if kind == "abort_all":
-                for request_id, live in list(self._live.items()):
-                    self._abort(request_id)
-                    self._updates.append((live.sink, payload))
-                self._hand_off()
+                self._abort_all(payload)
                 continue
             request_id, prompt, params, live, accepted = payload
             try:
@@ -210,6 +206,12 @@ class EngineLoop:
         live = self._live.pop(request_id, None)
         if self.llm.abort(request_id) is not None and live is not None:
             self.metrics.finished("abort", time.monotonic() - live.arrival)
+
+    def _abort_all(self, reason: str) -> None:
+        for request_id, live in list(self._live.items()):
+            self._abort(request_id)
+            self._updates.append((live.sink, reason))
+        self._hand_off()
 
     def _hand_off(self) -> None:
         updates, self._updates = self._updates, []

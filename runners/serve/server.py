@@ -27,7 +27,7 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
-from runners.serve.engine_loop import EngineLoop
+from runners.serve.engine_loop import SHUTTING_DOWN, EngineLoop
 
 __all__ = ["bind", "serve"]
 
@@ -49,7 +49,6 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-SHUTTING_DOWN = "the server is shutting down"
 _CANCEL_AFTER_S = 5.0
 """Seconds after the grace period before uvicorn cancels what still runs (nothing should:
 every request was aborted at the end of the grace period)."""
