@@ -24,7 +24,7 @@ from runners.engine import FinishReason, RequestOutput, TokenLogprob
 from runners.serve.context import ServerContext
 from runners.serve.engine_loop import EngineDeadError
 from runners.serve.errors import ApiError
-from runners.serve.generation import Generation, new_id, sampling_params
+from runners.serve.generation import Generation, new_id, raise_if_failed, sampling_params
 from runners.serve.protocol import ChatCompletionRequest
 from runners.serve.responses import (
     ChatChoice,
@@ -81,9 +81,7 @@ class _Reply:
         self.created = int(time.time())
 
     def whole(self, outputs: Sequence[RequestOutput]) -> ChatCompletionResponse:
-        failed = next((o for o in outputs if o.finish_reason is FinishReason.ERROR), None)
-        if failed is not None:
-            raise ApiError(500, failed.error or "the request failed")
+        raise_if_failed(outputs)
         choices = [
             ChatChoice(
                 index=i,
@@ -98,7 +96,7 @@ class _Reply:
             created=self.created,
             model=self.context.settings.model_name,
             choices=choices,
-            usage=self._usage(sum(len(o.output_ids) for o in outputs)),
+            usage=Usage.of(self.prompt_tokens, sum(len(o.output_ids) for o in outputs)),
         )
 
     async def stream(self, generation: Generation) -> AsyncIterator[str]:
@@ -125,7 +123,7 @@ class _Reply:
                 )
                 yield event(self._chunk([choice]))
             if self.body.stream_options is not None and self.body.stream_options.include_usage:
-                yield event(self._chunk([], usage=self._usage(generated)))
+                yield event(self._chunk([], usage=Usage.of(self.prompt_tokens, generated)))
         except EngineDeadError as exc:
             yield error_event(str(exc), status=503)
         finally:
@@ -141,13 +139,6 @@ class _Reply:
             model=self.context.settings.model_name,
             choices=choices,
             usage=usage,
-        )
-
-    def _usage(self, generated: int) -> Usage:
-        return Usage(
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=generated,
-            total_tokens=self.prompt_tokens + generated,
         )
 
     def _logprobs(self, entries: Sequence[TokenLogprob]) -> ChatLogprobs | None:

@@ -23,7 +23,7 @@ from runners.engine import FinishReason, RequestOutput, TokenLogprob
 from runners.serve.context import ServerContext
 from runners.serve.engine_loop import EngineDeadError
 from runners.serve.errors import ApiError, unsupported
-from runners.serve.generation import Generation, new_id, sampling_params
+from runners.serve.generation import Generation, new_id, raise_if_failed, sampling_params
 from runners.serve.protocol import CompletionRequest
 from runners.serve.responses import (
     CompletionChoice,
@@ -105,9 +105,7 @@ class _Reply:
         return self.prompt_texts[index // self.body.n] if self.body.echo else ""
 
     def whole(self, outputs: Sequence[RequestOutput]) -> CompletionResponse:
-        failed = next((o for o in outputs if o.finish_reason is FinishReason.ERROR), None)
-        if failed is not None:
-            raise ApiError(500, failed.error or "the request failed")
+        raise_if_failed(outputs)
         choices = [
             CompletionChoice(
                 index=i,
@@ -123,7 +121,7 @@ class _Reply:
             created=self.created,
             model=self.context.settings.model_name,
             choices=choices,
-            usage=self._usage(generated),
+            usage=Usage.of(self.prompt_tokens, generated),
         )
 
     async def stream(self, generation: Generation) -> AsyncIterator[str]:
@@ -154,7 +152,7 @@ class _Reply:
                 )
                 yield event(self._chunk([choice]))
             if self.body.stream_options is not None and self.body.stream_options.include_usage:
-                yield event(self._chunk([], usage=self._usage(generated)))
+                yield event(self._chunk([], usage=Usage.of(self.prompt_tokens, generated)))
         except EngineDeadError as exc:
             yield error_event(str(exc), status=503)
         finally:
@@ -170,13 +168,6 @@ class _Reply:
             model=self.context.settings.model_name,
             choices=choices,
             usage=usage,
-        )
-
-    def _usage(self, generated: int) -> Usage:
-        return Usage(
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=generated,
-            total_tokens=self.prompt_tokens + generated,
         )
 
     def _logprobs(self, entries: Sequence[TokenLogprob], offset: int) -> CompletionLogprobs | None:

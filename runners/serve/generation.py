@@ -18,17 +18,30 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from runners.engine import InvalidRequestError, RequestOutput, RequestUpdate, SamplingParams
+from runners.engine import (
+    FinishReason,
+    InvalidRequestError,
+    RequestOutput,
+    RequestUpdate,
+    SamplingParams,
+)
 from runners.serve.context import ServerContext
 from runners.serve.engine_loop import EngineDeadError
 from runners.serve.errors import ApiError
 from runners.serve.protocol import SamplingRequest
 
-__all__ = ["Generation", "new_id", "sampling_params"]
+__all__ = ["Generation", "new_id", "raise_if_failed", "sampling_params"]
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def raise_if_failed(outputs: Sequence[RequestOutput]) -> None:
+    """A choice whose tokens could not be sampled fails its whole (unstreamed) request: 500."""
+    failed = next((o for o in outputs if o.finish_reason is FinishReason.ERROR), None)
+    if failed is not None:
+        raise ApiError(500, failed.error or "the request failed")
 
 
 def sampling_params(
