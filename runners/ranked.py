@@ -71,7 +71,7 @@ from runners.engine import LLM, EngineLimits, ScheduledChunk
 from runners.errors import PlatformNotImportableError
 from runners.resolution import Resolution
 from runners.shared_logits import SharedLogits
-from runners.spec import EngineSpec, build_engine, check_spec
+from runners.spec import EngineSpec, build_engine, check_spec, config_of, llm_of
 
 __all__ = ["RankedEngine", "RankedExecutor", "launch_engine"]
 
@@ -164,6 +164,15 @@ class RankedExecutor:
     @property
     def num_eager_breaks(self) -> int:
         return int(self._request(("read", "num_eager_breaks", ()), ranks=1))
+
+    def check(self) -> None:
+        """Raise ``RankFailedError`` naming the cause if any rank has exited or failed, even
+        while no step runs (a server checks its ranks while idle)."""
+        with self._lock:
+            if self._failure is not None:
+                raise RankFailedError(self._failure)
+            if self._pending == 0 and any(p.poll() is not None for p in self._processes):
+                self._reply()  # a rank is gone, so its pipe has ended: names it and raises
 
     def close(self) -> None:
         """Stop every rank (idempotent); later calls raise ``RankFailedError``."""
@@ -283,7 +292,14 @@ def launch_engine(spec: EngineSpec) -> RankedEngine:
             "cannot import: move it to a module, or register it as a plugin and pass its name"
         )
     ranks = RankedExecutor(spec, process_group_backend(resolution.platform))
-    return RankedEngine(resolution=resolution, llm=LLM(ranks), ranks=ranks, capacity=ranks.capacity)
+    try:
+        with warnings.catch_warnings():  # rank 0 said them already (re-raised by RankedExecutor)
+            warnings.simplefilter("ignore")
+            llm = llm_of(ranks, spec, config_of(spec))
+    except BaseException:
+        ranks.close()
+        raise
+    return RankedEngine(resolution=resolution, llm=llm, ranks=ranks, capacity=ranks.capacity)
 
 
 @contextlib.contextmanager

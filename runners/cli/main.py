@@ -20,10 +20,12 @@ from typing import Any, NoReturn
 
 import runners.cli.bench as bench
 import runners.cli.bench_load as bench_load
+import runners.cli.bench_serve as bench_serve
 import runners.cli.explain as explain
 import runners.cli.init_checkpoint as init_checkpoint
 import runners.cli.matrix as matrix
 import runners.cli.run as run
+import runners.cli.serve as serve
 from dsv4.parallel import check_parallel_size
 from runners.cli.errors import UsageError, report_failure
 from runners.cli.options import parallel_backend
@@ -39,6 +41,8 @@ COMMANDS: dict[str, ModuleType] = {
     "bench": bench,
     "bench-load": bench_load,
     "init-checkpoint": init_checkpoint,
+    "serve": serve,
+    "bench-serve": bench_serve,
 }
 
 
