@@ -22,8 +22,8 @@ They draw ties on purpose. An indexer entry scores exactly 0.0 when ReLU zeroes 
 common with few heads, and every path must break them alike (``dsv4.selection``): configs draw
 1-4 indexer heads as often as 16-18, and ``random_model`` can zero the indexer's head weights
 (``INDEXER_WEIGHTS``: all but one head, or every head, so that every score is 0.0 and the tie
-rule alone chooses). Equal router scores need equal router rows: ``ROUTER_WEIGHTS`` gives every
-expert the same row, so every top-k routing is decided by the tie rule.
+rule alone chooses); ``ROUTER_WEIGHTS`` can make every expert score alike, so the tie rule
+alone routes.
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ from dsv4.weights import randomize_
 from graphs import ForwardContext, forward_context
 
 __all__ = [
-    "VOCAB",
     "INDEXER_WEIGHTS",
     "ROUTER_WEIGHTS",
+    "VOCAB",
     "Chunk",
     "chunk_schedule",
     "chunk_sizes",
@@ -185,8 +185,10 @@ other matrix; all rows but the first zero (an entry scores 0.0 wherever one ReLU
 of them); or every row zero (every score is 0.0: the tie rule alone chooses)."""
 
 ROUTER_WEIGHTS = ("random", "equal")
-"""How ``random_model`` draws each top-k router: like every other matrix, or one shared row
-for every expert and no score correction (every expert scores the same)."""
+"""How ``random_model`` draws each router: like every other matrix, or a zero row for every
+expert and no score correction, so every expert scores exactly alike (a zero logit in any batch
+shape; equal non-zero rows would not do: a one-row ``F.linear`` rounds identical rows
+differently) and the tie rule alone routes."""
 
 
 def random_model(
@@ -210,7 +212,7 @@ def random_model(
             if indexer != "random" and name.endswith("indexer.scorer.weights_proj.weight"):
                 parameter[0 if indexer == "zero" else 1 :].zero_()
             if router == "equal" and name.endswith("mlp.gate.weight"):
-                parameter.copy_(parameter[:1].expand_as(parameter))
+                parameter.zero_()
         for name, buffer in model.named_buffers():
             if router == "equal" and name.endswith("e_score_correction_bias"):
                 buffer.zero_()

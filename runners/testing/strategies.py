@@ -10,9 +10,16 @@ every layer type, window eviction and both compressors are exercised.
 from __future__ import annotations
 
 from dsv4.config import CSA, HCA, SLIDING, DeepseekV4Config
-from dsv4.testing import VOCAB, configs, prompt_batches
+from dsv4.testing import VOCAB, configs, indexer_weights, prompt_batches
 
-__all__ = ["FIXED_PROMPTS", "VOCAB", "configs", "fixed_config", "prompt_batches"]
+__all__ = [
+    "FIXED_PROMPTS",
+    "VOCAB",
+    "configs",
+    "fixed_config",
+    "indexer_weights",
+    "prompt_batches",
+]
 
 FIXED_PROMPTS: tuple[tuple[int, ...], ...] = (
     (5, 17, 42, 8, 61, 3, 29, 11, 50, 2, 36),

@@ -66,7 +66,7 @@ def _rule_topk(
     k: int,
     dim: int = -1,
     largest: bool = True,
-    sorted: bool = True,  # noqa: A002 (torch.topk's name)
+    sorted: bool = True,
 ) -> torch.return_types.topk:
     assert largest, "transformers' DeepSeek-V4 takes the largest scores"
     rows = scores.as_subclass(torch.Tensor).movedim(dim, -1)
