@@ -38,7 +38,8 @@ class TieStats:
     rows: int = 0
     """Rows (queries or tokens) whose top-k was taken."""
     decided: int = 0
-    """Rows where the rule chose other entries than ``torch.topk`` among tied scores."""
+    """Rows where the rule chose other candidates of finite score than ``torch.topk`` (among
+    tied scores: anything else fails the check)."""
 
 
 class TieAwareScores(torch.Tensor):
@@ -79,9 +80,23 @@ def _rule_topk(
             f"{theirs.values.tolist()} vs {values.tolist()}"
         )
     stats.rows += math.prod(rows.shape[:-1])
-    moved = theirs.indices.sort(dim=-1).values != chosen.sort(dim=-1).values
-    stats.decided += int(moved.any(dim=-1).sum())
+    stats.decided += int(_real_choices_differ(theirs.values, theirs.indices, values, chosen).sum())
     return torch.return_types.topk((values.movedim(-1, dim), chosen.movedim(-1, dim)))
+
+
+def _real_choices_differ(
+    their_values: torch.Tensor,
+    their_indices: torch.Tensor,
+    our_values: torch.Tensor,
+    our_indices: torch.Tensor,
+) -> torch.Tensor:
+    """Rows where the two choices differ in a candidate of finite score (a choice among
+    ``-inf`` ones, the entries a query may not see, decides nothing)."""
+
+    def real(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        return torch.where(values > float("-inf"), indices, -1).sort(dim=-1).values
+
+    return (real(their_values, their_indices) != real(our_values, our_indices)).any(dim=-1)
 
 
 def _plain(value: Any) -> Any:

@@ -8,6 +8,7 @@ entries differ from ``torch.topk``'s choice."""
 from __future__ import annotations
 
 import torch
+import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,6 +23,7 @@ from dsv4.testing import (
     router_weights,
     run_schedule,
 )
+from tests.dsv4.hf_ties import tie_aware
 from tests.dsv4.support import hf_logits, hf_twin, max_diff
 
 TOLERANCE = 1e-4
@@ -116,3 +118,20 @@ def test_tiny_preset_equals_hf_over_long_prompts() -> None:
     expected = [hf_logits(hf, p) for p in batch]
     ours = run_schedule(model, batch, chunk_schedule(chunkings), block_size=16, pad_to_multiple=8)
     assert max_diff(ours, expected) <= TOLERANCE
+
+
+def test_where_ties_decide_transformers_is_followed_only_among_equal_scores() -> None:
+    """Every indexer score 0.0 and every expert scoring alike: the tie rule alone chooses. The
+    tie-aware oracle took our rule in rows where ``torch.topk`` chose other, equally scored
+    entries or experts, and we equal it; transformers left to its ``torch.topk`` differs."""
+    model = random_model(DeepseekV4Config.tiny(), 1, indexer="zero", router="equal")
+    prompt = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(0)).tolist()
+    ours = run_schedule(model, [prompt], chunk_schedule([[60]]), block_size=16)[0]
+    hf = hf_twin(model)
+    assert max_diff([ours], [hf_logits(hf, prompt)]) <= TOLERANCE
+    assert tie_aware(hf).decided > 0
+    own_choice = transformers.DeepseekV4ForCausalLM(hf.config).eval()
+    own_choice.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        theirs = own_choice(torch.tensor([prompt]), use_cache=False).logits[0]
+    assert max_diff([ours], [theirs]) > 100 * TOLERANCE
