@@ -46,7 +46,7 @@ from graphs.tape.refs import TensorRef, map_leaves
 from graphs.tape.stale import OutsideWrites
 from graphs.tape.steps import Const, Plan
 
-__all__ = ["Record", "Recorder", "StorageInfo"]
+__all__ = ["Record", "Recorder", "StorageInfo", "run_decomposed", "runs_decomposed"]
 
 _BACKEND_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 _COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
@@ -54,8 +54,16 @@ _COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
 prefers those, and they need not issue the same ops)."""
 
 
+def run_decomposed(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Run ``func`` as its ``CompositeImplicitAutograd`` kernel: the ops of its decomposition
+    reach the dispatch modes active around the call one by one, as eager issues them."""
+    return func._op_dk(_COMPOSITE, *args, **kwargs)
+
+
 @functools.cache
-def _runs_decomposed(func: torch._ops.OpOverload, device_type: str) -> bool:
+def runs_decomposed(func: torch._ops.OpOverload, device_type: str) -> bool:
     """True when eager runs ``func`` on ``device_type`` as its ``CompositeImplicitAutograd``
     decomposition (no kernel of its own for the device)."""
     backend = _BACKEND_KEYS.get(device_type)
@@ -128,13 +136,13 @@ class Recorder(QuietDispatchMode):
     ) -> Any:
         check_capturable(func, args, kwargs)
         tensors = tensors_of((args, kwargs))
-        if tensors and _runs_decomposed(func, tensors[0].device.type):
+        if tensors and runs_decomposed(func, tensors[0].device.type):
             # Record the ops eager runs for it instead: each gets its own (out=) plan, where the
             # composite op itself has no out= form and would be run and copied. It counts as an
             # op issued (its decomposition may issue none: ``dropout`` in eval returns its input).
             self.num_ops += 1
             with self:
-                return func._op_dk(_COMPOSITE, *args, **kwargs)
+                return run_decomposed(func, args, kwargs)
         name, mutating, inplace_view = _traits(func)
         with torch._C._DisableTorchDispatch():  # no mode sees the checks (cheaper than popping)
             key: tuple[Any, ...] | None = None

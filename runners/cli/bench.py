@@ -135,6 +135,34 @@ def _mib(nbytes: int | None) -> str:
     return "n/a" if nbytes is None else f"{nbytes / 2**20:.1f} MiB"
 
 
+def _render_limit(limit: dict[str, Any]) -> list[str]:
+    """The floor under each step, and each configuration's step as a multiple of it."""
+    lines = [
+        "the floor (memory: bytes a step must read / read bandwidth; dispatch: ops x an empty op):"
+    ]
+    lines += [
+        f"  {m['threads']} thread(s): read {m['read_bandwidth_gb_s']:.1f} GB/s, empty op "
+        f"{m['empty_op_us']:.2f} us"
+        for m in limit["machine"]
+    ]
+    steps = {s["batch_size"]: s for s in limit["steps"]}
+    for row in limit["rows"]:
+        step = steps[row["batch_size"]]
+        read = step["bytes"]
+        lines.append(
+            f"  threads {row['threads']}, batch {row['batch_size']}: {read['total'] / 1e6:.2f} MB "
+            f"({read['experts'] / 1e6:.2f} MB of {sum(read['distinct_experts'])} routed experts, "
+            f"{read['kv'] / 1e3:.1f} kB of KV), memory floor {row['memory_floor_us']:.0f} us"
+        )
+        for name, multiple in row["x_floor"].items():
+            lines.append(
+                f"    {name:>6}: {step['ops'][name]} ops, dispatch floor "
+                f"{row['dispatch_floor_us'][name]:.0f} us; step = {multiple:.2f}x the floor, "
+                f"{row['x_memory_floor'][name]:.2f}x the memory floor"
+            )
+    return lines
+
+
 def render(payload: dict[str, Any]) -> str:
     if "context_sweep" in payload:
         return render_sweep(payload["context_sweep"])
@@ -169,13 +197,14 @@ def render(payload: dict[str, Any]) -> str:
             f"  {row['threads']:>7} {row['batch_size']:>5} {times}  "
             f"{_cell(r['full/eager'], 10, '.3f')} {_cell(r['narrow/wide'], 11, '.3f')}"
         )
+    lines.extend(_render_limit(payload["limit"]))
     cap = payload["capture"]
     ratio = cap["held/eager_step_peak"]
     lines.append(
         f"capture: {len(cap['seconds_per_graph'])} graphs in {cap['total_s']:.2f}s, "
         f"{_mib(cap['held_bytes'])} held by captures "
         f"({'n/a' if ratio is None else f'{ratio}x'} the {_mib(cap['eager_step_peak_bytes'])}"
-        " peak of an eager step of the largest size)"
+        " peak of an eager step of the largest size and context)"
     )
     gen = payload["generation"]
     tps = ", ".join(f"{k} {v:.1f}" for k, v in gen["tokens_per_s"].items())

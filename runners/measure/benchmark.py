@@ -12,10 +12,11 @@ Method (every figure the README quotes is taken this way):
 - Capture: seconds per captured (mode, size), and bytes held by all captures of a runner: the
   backend's shared arena, plus what each tape segment retains (storages the program still holds)
   and keeps as constants (``TapeSegment.memory``); unknown (``None``) where the pool reports no
-  size, as CUDA's does. Compared with the peak of an eager step of the largest captured size:
-  live bytes of every storage an op allocates during the step, sampled after every op
-  (``eager_step_peak_bytes``); storages made outside the step (weights, caches, persistent
-  buffers) are not counted, as captures do not hold them either.
+  size, as CUDA's does. Compared with the peak of an eager step of the largest captured size
+  whose context reaches the widest captured bucket (the most any one graph computes): live bytes
+  of every storage an op newly allocates during the step, sampled after every op
+  (``eager_step_peak_bytes``); memory made before the step (weights, caches, persistent
+  buffers) is not counted, nor are views of it, as captures do not hold it either.
 - Generation: greedy tokens per second of the engine (graphs captured beforehand) against
   ``transformers``' ``generate`` on the same weights and prompts, alternating rounds, medians.
 """
@@ -33,14 +34,17 @@ import attrs
 import torch
 
 from dsv4 import DeepseekV4ForCausalLM
+from dsv4.metadata import entry_width
 from graphs._ops import QuietDispatchMode
-from graphs._tensor_refs import WeakStorage, storage_key, tensors_of
+from graphs._tensor_refs import WeakStorage, storage_key
+from graphs.allocations import new_allocations
 from runners.base import ModelRunner
 from runners.engine import SamplingParams, ScheduledChunk
 from runners.spec import EngineSpec, build_engine
 
 __all__ = [
     "DECODE_CONFIGS",
+    "DECODE_PROMPT_LEN",
     "CaptureCost",
     "DecodeLatency",
     "GenerationThroughput",
@@ -49,8 +53,10 @@ __all__ = [
     "decode_latency",
     "decode_runners",
     "decode_specs",
+    "decode_token_ids",
     "eager_step_peak_bytes",
     "engine_throughput",
+    "prefill_requests",
     "synchronize",
     "timed",
     "torch_threads",
@@ -65,6 +71,11 @@ DECODE_CONFIGS: dict[str, tuple[str, str, str]] = {
     "narrow": ("v2", "PIECEWISE", "narrow"),
     "wide": ("v2", "PIECEWISE", "wide"),
 }
+
+
+DECODE_PROMPT_LEN = 16
+"""Tokens each request holds before the timed decode step (the step's token is at this
+position)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -134,7 +145,7 @@ def torch_threads(count: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def _prefill(runner: ModelRunner, batch: int, prompt_len: int) -> list[ScheduledChunk]:
+def prefill_requests(runner: ModelRunner, batch: int, prompt_len: int) -> list[ScheduledChunk]:
     """Prefill ``batch`` requests of ``prompt_len`` tokens; return their next decode chunks."""
     per_row = -(-(prompt_len + 1) // runner.layout.block_size)
     decode = []
@@ -149,13 +160,18 @@ def _prefill(runner: ModelRunner, batch: int, prompt_len: int) -> list[Scheduled
     return decode
 
 
+def decode_token_ids(batch: int) -> list[list[int]]:
+    """The token each of ``batch`` requests decodes in a timed step (one per request)."""
+    return [[(5 * row + 1) % 256] for row in range(batch)]
+
+
 def decode_latency(
     runners: dict[str, ModelRunner],
     *,
     batch_sizes: Sequence[int],
     threads: Sequence[int],
     repeats: int,
-    prompt_len: int = 16,
+    prompt_len: int = DECODE_PROMPT_LEN,
     warmup: int = 3,
 ) -> list[DecodeLatency]:
     """Median decode-step latency of each runner, interleaved (see the module docstring)."""
@@ -164,8 +180,10 @@ def decode_latency(
     for count in threads:
         with torch_threads(count):
             for batch in batch_sizes:
-                chunks = {name: _prefill(r, batch, prompt_len) for name, r in runners.items()}
-                ids = [[(5 * row + 1) % 256] for row in range(batch)]
+                chunks = {
+                    name: prefill_requests(r, batch, prompt_len) for name, r in runners.items()
+                }
+                ids = decode_token_ids(batch)
                 for name, runner in runners.items():
                     for _ in range(warmup):
                         runner.execute(chunks[name], ids)
@@ -224,7 +242,11 @@ def capture_cost(runner: ModelRunner) -> CaptureCost:
 
 
 class _PeakLiveBytes(QuietDispatchMode):
-    """Live bytes of the storages ops allocate while active, and their peak after any op."""
+    """Live bytes of the storages ops allocate while active, and their peak after any op.
+
+    Only new allocations count (``graphs.allocations.new_allocations``: outputs whose storage
+    no input shares): a view of memory made before (a weight's transpose, a slice of a KV
+    cache) allocates nothing."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -236,7 +258,7 @@ class _PeakLiveBytes(QuietDispatchMode):
     ) -> Any:
         result = func(*args, **kwargs)
         self._live = {k: v for k, v in self._live.items() if not v[0].expired()}
-        for t in tensors_of(result):
+        for t in new_allocations(func, args, kwargs, result):
             key = storage_key(t)
             if key not in self._live:
                 storage = t.untyped_storage()
@@ -245,17 +267,30 @@ class _PeakLiveBytes(QuietDispatchMode):
         return result
 
 
-def eager_step_peak_bytes(runner: ModelRunner, num_tokens: int) -> int:
+def eager_step_peak_bytes(runner: ModelRunner, num_tokens: int, width: int) -> int:
     """Peak live bytes allocated by one eager step of ``num_tokens`` prompt tokens on ``runner``
-    (whose graph mode should be ``NONE``), rows of at most one block table's reach each."""
-    size = runner.layout.block_size
-    per_row = min(num_tokens, size * runner.layout.max_blocks_per_row - 1)
-    chunks, ids, first = [], [], 0
-    for row, start in enumerate(range(0, num_tokens, per_row)):
-        count = min(per_row, num_tokens - start)
-        blocks = tuple(range(first, first + -(-count // size)))  # the blocks it needs only
-        first += len(blocks)
-        chunks.append(ScheduledChunk(row=row, block_ids=blocks, start_position=0, num_tokens=count))
+    (whose graph mode should be ``NONE``) whose context reaches ``width`` blocks, as a graph of
+    that size and context bucket attends: each row's chunk ends at the last position of its
+    ``width`` blocks (rows of at most ``width`` blocks' tokens each). Block ids wrap around the
+    pools (a request as wide as the widest bucket need not fit in them: only addresses matter
+    to the memory a step allocates)."""
+    layout = runner.layout
+    reach = width * layout.block_size
+    entry_blocks = entry_width(width, runner.entry_rate)
+    chunks, ids = [], []
+    for row, start in enumerate(range(0, num_tokens, reach)):
+        count = min(reach, num_tokens - start)
+        blocks = range(row * width, (row + 1) * width)
+        entries = range(row * entry_blocks, (row + 1) * entry_blocks)
+        chunks.append(
+            ScheduledChunk(
+                row=row,
+                block_ids=tuple(b % layout.num_blocks for b in blocks),
+                start_position=reach - count,
+                num_tokens=count,
+                entry_block_ids=tuple(b % layout.num_entry_blocks for b in entries),
+            )
+        )
         ids.append([(3 * i + row) % runner.vocab_size for i in range(count)])
     tracker = _PeakLiveBytes()
     with tracker:

@@ -21,6 +21,7 @@ import torch
 from dsv4.dtypes import dtype_name
 from dsv4.parallel import COLLECTIVES
 from runners.errors import ResolutionError
+from runners.measure import floor
 from runners.measure.benchmark import (
     GenerationThroughput,
     capture_cost,
@@ -29,6 +30,7 @@ from runners.measure.benchmark import (
     decode_specs,
     eager_step_peak_bytes,
     engine_throughput,
+    torch_threads,
 )
 from runners.measure.hf_baseline import transformers_baseline
 from runners.spec import EngineSpec, build_engine, build_model, compute_dtype_of, resolve_spec
@@ -64,7 +66,7 @@ def run_benchmark(
     progress("timing decode steps")
     payload["configurations"] = _configurations(spec)
     runnable = [n for n, c in payload["configurations"].items() if "refused" not in c]
-    payload["decode"], share = _decode(spec, options, runnable)
+    payload["decode"], payload["limit"], share = _decode(spec, options, runnable)
     payload["tensor_parallel_size"] = base.tensor_parallel_size
     payload["collective_share_of_decode"] = round(share, 3)
     progress("timing generation")
@@ -79,7 +81,8 @@ def _capture(base: EngineSpec) -> dict[str, Any]:
     runner = engine.runner
     cost = capture_cost(runner)
     eager_runner = build_engine(attrs.evolve(base, cudagraph_mode="NONE")).runner
-    peak = eager_step_peak_bytes(eager_runner, max(runner.capture_sizes.sizes))
+    widest = max(key.width for key in runner.captured)
+    peak = eager_step_peak_bytes(eager_runner, max(runner.capture_sizes.sizes), widest)
     platform = engine.resolution.platform
     return {
         "platform": platform.name,
@@ -123,17 +126,22 @@ def _configurations(spec: EngineSpec) -> dict[str, dict[str, Any]]:
 
 def _decode(
     spec: EngineSpec, options: BenchOptions, names: list[str]
-) -> tuple[list[dict[str, Any]], float]:
+) -> tuple[list[dict[str, Any]], dict[str, Any], float]:
     """Median decode-step latency per configuration in ``names`` (those the platform does not
-    refuse), thread count and batch size (a ratio with a refused side is ``None``); and the
-    share of the decode timing's wall time this rank spent in collectives (0 on one rank)."""
+    refuse), thread count and batch size (a ratio with a refused side is ``None``); the floor
+    under each step (``runners.measure.floor``); and the share of the decode timing's wall time
+    this rank spent in collectives (0 on one rank)."""
     runners = decode_runners(spec, lambda: build_model(spec), names)
+    device = next(iter(runners.values())).device
+    machines = floor.machine(device, options.threads)
     COLLECTIVES.reset()
     start = time.perf_counter()
     latencies = decode_latency(
         runners, batch_sizes=options.batch_sizes, threads=options.threads, repeats=options.repeats
     )
     share = COLLECTIVES.seconds / (time.perf_counter() - start)
+    with torch_threads(min(options.threads)):
+        shapes = floor.step_shapes(runners, "eager", options.batch_sizes)
     rows = [
         {
             "threads": row.threads,
@@ -146,7 +154,22 @@ def _decode(
         }
         for row in latencies
     ]
-    return rows, share
+    limit = {
+        "machine": [
+            {
+                "threads": m.threads,
+                "read_bandwidth_gb_s": round(m.read_bytes_per_s / 1e9, 2),
+                "empty_op_us": round(m.empty_op_s * 1e6, 3),
+            }
+            for m in machines
+        ],
+        "steps": [
+            {"batch_size": s.batch_size, "bytes": s.reads.to_dict(), "ops": s.ops} for s in shapes
+        ],
+        "rows": floor.floor_rows(latencies, machines, shapes),
+        "method": floor.METHOD,
+    }
+    return rows, limit, share
 
 
 def _generation(base: EngineSpec, spec: EngineSpec, options: BenchOptions) -> dict[str, Any]:

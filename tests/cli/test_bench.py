@@ -26,6 +26,18 @@ def _assert_measured(payload: dict) -> None:
     assert all(us > 0 for us in row["median_us"].values())
     assert payload["capture"]["total_s"] > 0
     assert payload["generation"]["tokens_per_s"]["engine"] > 0
+    limit = payload["limit"]
+    [machine] = limit["machine"]
+    assert machine["threads"] == 1
+    assert machine["read_bandwidth_gb_s"] > 0 and machine["empty_op_us"] > 0
+    [step] = limit["steps"]
+    assert step["bytes"]["total"] > step["bytes"]["weights"] > 0
+    assert set(step["ops"]) == set(row["median_us"])
+    [floor] = limit["rows"]
+    assert set(floor["x_floor"]) == set(row["median_us"])
+    for name, us in row["median_us"].items():  # each multiple is of the larger floor
+        larger = max(floor["memory_floor_us"], floor["dispatch_floor_us"][name])
+        assert abs(floor["x_floor"][name] - us / larger) <= 0.01 * us / larger + 0.005
 
 
 def test_json_names_the_cpu_platform_and_transformers_runs_on_its_device(
@@ -77,6 +89,7 @@ def test_unknown_held_bytes_render_as_n_a() -> None:
             "held/eager_step_peak": None,
         },
         "generation": {"tokens_per_s": {"engine": 100.0}},
+        "limit": {"machine": [], "steps": [], "rows": [], "method": "m"},
         "tensor_parallel_size": 2,
         "collective_share_of_decode": 0.125,
         "method": "m",
