@@ -8,8 +8,9 @@ float32 copy of the whole model. Instead:
   untouched: a module's buffers (RoPE tables, index tables) stay real and computed. Other
   threads are unaffected (the hook is gated by a thread-local flag).
 - ``materialize_parameters_(model, device, dtype_of)`` replaces each ``meta`` parameter by an
-  uninitialised one of ``dtype_of(qualified name)`` on ``device``; a parameter shared by several
-  modules (tied embeddings) stays one parameter. The result does not require gradients.
+  uninitialised one of ``dtype_of(qualified name)`` on ``device``, laid out as its constructor
+  laid it out (its strides: the routed experts are stored columns first); a parameter shared
+  by several modules (tied embeddings) stays one parameter. The result does not require gradients.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ def materialize_parameters_(
                 continue
             if id(param) not in made:
                 name = f"{prefix}.{local}" if prefix else local
-                data = torch.empty(param.shape, dtype=dtype_of(name), device=device)
+                data = torch.empty_strided(
+                    param.shape, param.stride(), dtype=dtype_of(name), device=device
+                )
                 made[id(param)] = (param, nn.Parameter(data, requires_grad=False))
             module._parameters[local] = made[id(param)][1]

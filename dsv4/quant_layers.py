@@ -8,11 +8,12 @@ load), and each module's output equals the plain module's with those weights, bi
 
 - ``QuantizedLinear``: ``nn.Linear(bias=False)``'s forward;
 - ``QuantizedGroupedLinear``: ``dsv4.layers.GroupedLinear``'s forward;
-- ``QuantizedExperts``: ``dsv4.moe.Experts``'s forward (the same two static formulations, the
+- ``QuantizedExperts``: ``dsv4.experts.Experts``'s forward (the same static formulations, the
   same host-constant choice between them); the every-expert formulation dequantizes a bounded
   chunk of experts at a time (``QuantizedExpertStack.experts``), the gathered one only the
   chosen experts' rows (``QuantizedExpertStack.rows``: one ``index_select`` on the bytes and one
-  on the scales).
+  on the scales), the in-place ones the chosen experts into whole stacks (or every expert,
+  when the step has as many slots as there are experts).
 
 ``install_weight_only`` swaps these modules into a built model in place of the plain ones.
 
@@ -32,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsv4.experts import ExpertFormulations, Experts, columns_first
 from dsv4.layers import GroupedLinear
-from dsv4.moe import ExpertFormulations, Experts
 from dsv4.quant_formats import QuantizationError, QuantizedTensor, dequantize, fp4_pair_table
 
 __all__ = [
@@ -196,10 +197,27 @@ class QuantizedExperts(ExpertFormulations):
         return num_experts, double_inter, hidden_size
 
     def _stacks(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.gate_up_proj.experts(start, stop), self.down_proj.experts(start, stop)
+        return (
+            columns_first(self.gate_up_proj.experts(start, stop)),
+            columns_first(self.down_proj.experts(start, stop)),
+        )
 
     def _chosen_rows(self, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.gate_up_proj.rows(experts), self.down_proj.rows(experts)
+
+    def _resident_stacks(self, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both stacks dequantized whole when ``experts`` lists at least as many slots as there
+        are experts; else only the listed experts, written into stacks whose other experts
+        hold anything (the in-place formulations read only the experts of their slots)."""
+        num_experts = self.gate_up_proj.shape[0]
+        if experts.numel() >= num_experts:
+            return self._stacks(0, num_experts)
+        stacks = []
+        for stack in (self.gate_up_proj, self.down_proj):
+            rows = stack.rows(experts)
+            empty = rows.new_empty(stack.shape[0], stack.shape[2], stack.shape[1])
+            stacks.append(empty.transpose(1, 2).index_copy_(0, experts, rows))
+        return stacks[0], stacks[1]
 
 
 # -- installing them into a model -------------------------------------------------------------

@@ -1,10 +1,11 @@
-"""The MoE's two static formulations compute the same function; the router's top-k gives
-equal scores to the lower expert index, alone or batched.
+"""The MoE's static formulations compute the same function; the router's top-k gives equal
+scores to the lower expert index, alone or batched.
 
-``Experts`` runs every expert and gathers the chosen outputs when ``E <= 2 * T * k``, else runs
-each token on its gathered expert weights; whole-model tests against transformers mostly see the
-first (prompts are long). Property: over random shapes, routings and weights both equal a
-per-token loop over the chosen experts written straight from the definition.
+``Experts`` reads the chosen experts in place on a CPU (bagged with few slots per expert,
+grouped above), else runs every expert and gathers the chosen outputs when ``E <= 2 * T * k``,
+else runs each token on its gathered expert weights. Property: over random shapes, routings and
+weights every formulation equals a per-token loop over the chosen experts written straight from
+the definition, and the module runs the one its rule picks.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dsv4.config import DeepseekV4Config
+from dsv4.expert_kernels import bagged, grouped, grouped_fits
+from dsv4.experts import BAG_SLOTS_PER_EXPERT
 from dsv4.moe import Experts, Router
 
 
@@ -38,15 +41,16 @@ def _by_definition(
 @given(
     num_experts=st.integers(1, 9),
     tokens=st.integers(1, 6),
+    intermediate=st.sampled_from([4, 5]),  # 5: rows _grouped_mm cannot take (20 bytes)
     data=st.data(),
     seed=st.integers(0, 2**16),
 )
-def test_both_formulations_equal_the_definition(
-    num_experts: int, tokens: int, data: st.DataObject, seed: int
+def test_every_formulation_equals_the_definition(
+    num_experts: int, tokens: int, intermediate: int, data: st.DataObject, seed: int
 ) -> None:
     k = data.draw(st.integers(1, num_experts), label="k")
     generator = torch.Generator().manual_seed(seed)
-    module = Experts(num_experts, hidden_size=12, intermediate_size=5, limit=1.5)
+    module = Experts(num_experts, hidden_size=12, intermediate_size=intermediate, limit=1.5)
     with torch.no_grad():
         for parameter in module.parameters():
             parameter.copy_(torch.randn(parameter.shape, generator=generator))
@@ -56,14 +60,37 @@ def test_both_formulations_equal_the_definition(
     )
     weights = torch.rand(tokens, k, generator=generator)
     expected = _by_definition(module, x, experts, weights)
+    stacks = (module.gate_up_proj, module.down_proj)
     with torch.inference_mode():
-        dense = (module._chosen_of_all(x, experts) * weights.unsqueeze(-1)).sum(dim=1)
-        gathered = (module._on_gathered_weights(x, experts) * weights.unsqueeze(-1)).sum(dim=1)
+        slots = {
+            "every": module._chosen_of_all(x, experts),
+            "gathered": module._on_gathered_weights(x, experts),
+            "bagged": bagged(x, experts, *stacks, module.limit),
+        }
+        if grouped_fits(x, module.gate_up_proj):
+            slots["grouped"] = grouped(x, experts, *stacks, module.limit)
         chosen = module(x, experts, weights)
-    for result in (dense, gathered):
+    combined = {n: (out * weights.unsqueeze(-1)).sum(dim=1) for n, out in slots.items()}
+    for result in combined.values():
         torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-5)
-    uses_dense = num_experts <= 2 * tokens * k
-    assert torch.equal(chosen, dense if uses_dense else gathered)
+    bag = tokens * k <= BAG_SLOTS_PER_EXPERT * num_experts or "grouped" not in slots
+    assert torch.equal(chosen, combined["bagged" if bag else "grouped"])
+
+
+def test_off_the_cpu_formulations_follow_the_slots_per_expert() -> None:
+    """Where nothing is read in place (a dtype the in-place kernels do not take), every expert
+    runs when ``E <= 2 * T * k``, else each token on its gathered weights."""
+    module = Experts(4, hidden_size=8, intermediate_size=4, limit=1.5).double()
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.copy_(torch.randn(parameter.shape, dtype=torch.float64))
+    for tokens, k, formulation in ((1, 1, "gathered"), (2, 1, "every"), (1, 2, "every")):
+        x = torch.randn(tokens, 8, dtype=torch.float64)
+        experts = torch.arange(tokens * k).view(tokens, k) % 4
+        assert not module._in_place(x)
+        method = module._chosen_of_all if formulation == "every" else module._on_gathered_weights
+        with torch.inference_mode():
+            assert torch.equal(module._slot_outputs(x, experts), method(x, experts))
 
 
 def _reference_choice(router: Router, x: torch.Tensor, k: int) -> list[list[int]]:

@@ -134,7 +134,7 @@ def _expert_stacks(
 
 
 @pytest.mark.parametrize("fmt", ["float", "ue8m0", "mxfp4"])
-@pytest.mark.parametrize("tokens", [1, 6])  # 1: gathered weights (E > 2Tk), 6: every expert
+@pytest.mark.parametrize("tokens", [1, 6, 24])  # bagged (1, 6: 12 slots) and grouped (48 slots)
 def test_quantized_experts_equal_experts_and_replay_like_eager(fmt: str, tokens: int) -> None:
     experts, hidden, inter, k = 9, 64, 96, 2
     gate_up, down = _expert_stacks(fmt, experts, hidden, inter)
@@ -159,14 +159,16 @@ def test_quantized_experts_equal_experts_and_replay_like_eager(fmt: str, tokens:
 
 
 @pytest.mark.parametrize("fmt", ["ue8m0", "mxfp4"])
+@pytest.mark.parametrize("tokens", [16, 1])  # 1 token: gathered weights (E > 2 * T * k)
 def test_every_expert_on_every_token_dequantizes_a_bounded_chunk_of_experts_at_a_time(
-    fmt: str,
+    fmt: str, tokens: int
 ) -> None:
-    """The every-expert formulation (here 32 experts, 16 tokens, k = 2) once dequantized every
-    expert in float32 per call: about 24 GiB at the published sizes. It takes experts a chunk
-    at a time, so the bytes a call allocates at its peak stay near ``dense_chunk_bytes``, and
-    its output is the whole-stack one's (and the plain module's) bit for bit."""
-    experts, hidden, inter, k, tokens = 32, 64, 96, 2, 16
+    """The every-expert formulation (here 32 experts, 16 tokens, k = 2, with stacks larger
+    than ``dense_chunk_bytes``, so nothing is read in place) once dequantized every expert in
+    float32 per call: about 24 GiB at the published sizes. It takes experts a chunk at a time,
+    so the bytes a call allocates at its peak stay near ``dense_chunk_bytes``, and its output
+    is the whole-stack one's (and the plain module's) bit for bit."""
+    experts, hidden, inter, k = 32, 64, 96, 2
     gate_up, down = _expert_stacks(fmt, experts, hidden, inter)
     module = QuantizedExperts(gate_up, down, limit=1.5)
     plain = Experts(experts, hidden, inter, limit=1.5)
@@ -178,7 +180,7 @@ def test_every_expert_on_every_token_dequantizes_a_bounded_chunk_of_experts_at_a
     weights = torch.rand(tokens, k, generator=generator)
     x = torch.randn(tokens, hidden, generator=generator)
     whole_float32 = 4 * experts * 3 * inter * hidden  # both stacks dequantized: 2.25 MiB
-    module.dense_chunk_bytes = whole_float32 // 8
+    module.dense_chunk_bytes = plain.dense_chunk_bytes = whole_float32 // 8  # the same choice
     with torch.inference_mode():
         tracker = _PeakNewBytes()
         with tracker:

@@ -1,0 +1,85 @@
+"""Routed experts computed on their weights in place: no copy of any expert, only chosen experts
+read (the CPU formulations of ``dsv4.experts``).
+
+Both functions take ``x [T, hidden]``, the chosen ``experts [T, k]`` and stacks
+``gate_up [E, 2I, hidden]``, ``down [E, hidden, I]`` laid out columns first (each expert's
+transpose contiguous, ``dsv4.experts.columns_first``), and return each (token, expert) slot's
+clamped-SwiGLU output ``[T, k, hidden]``. Shapes are static and nothing is read on the host.
+
+- ``bagged``: each slot's product as a weighted sum of its expert's rows (its transpose's):
+  ``embedding_bag`` with per-sample weights, the slot's inputs weighting rows
+  ``expert * width .. expert * width + width - 1`` of the ``[E * width, out]`` table. A slot
+  reads its expert whole, streaming (measured at about twice the bandwidth MKL reaches for a
+  matrix-vector product on this project's CPU); two slots of one expert read it twice, so it
+  suits steps with few slots per expert (decode).
+- ``grouped``: the slots sorted by expert (stably) and one matrix product per expert over the
+  rows routed to it (``torch._grouped_mm``, group ends from one ``searchsorted``): each chosen
+  expert read once however many slots chose it (prefill, large batches). ``_grouped_mm``
+  needs rows whose bytes are a multiple of 16 (``grouped_fits``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["bagged", "grouped", "grouped_fits", "swiglu"]
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """The clamped SwiGLU activation: the gate clamped from above, the up projection on both
+    sides, at ``limit``."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def _bag(stack: torch.Tensor, slots: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    """``inputs [n, width]`` times the transpose of ``stack [E, out, width]``'s expert at each
+    of the ``n`` ``slots``: ``[n, out]``."""
+    num_experts, out, width = stack.shape
+    table = stack.transpose(1, 2).view(num_experts * width, out)
+    columns = torch.arange(width, device=slots.device)
+    rows = (slots * width).unsqueeze(-1).add(columns).view(-1)
+    offsets = torch.arange(0, rows.numel(), width, device=slots.device)
+    weights = inputs.reshape(-1)
+    return F.embedding_bag(rows, table, offsets, mode="sum", per_sample_weights=weights)
+
+
+def bagged(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """Every slot on its expert's weights, one ``embedding_bag`` per projection."""
+    tokens, k = experts.shape
+    slots = experts.reshape(-1)
+    inputs = x.unsqueeze(1).expand(tokens, k, x.shape[1])
+    hidden = swiglu(*_bag(gate_up, slots, inputs).chunk(2, dim=-1), limit)
+    return _bag(down, slots, hidden).view(tokens, k, -1)
+
+
+def grouped_fits(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
+    """Whether ``_grouped_mm`` takes these rows: each a multiple of 16 bytes."""
+    rows = (gate_up.shape[2], gate_up.shape[1] // 2)
+    return all(width * x.element_size() % 16 == 0 for width in rows)
+
+
+def grouped(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """Slots sorted by expert, one product per expert; outputs back in slot order. ``ends[e]``
+    is the end of expert ``e``'s rows (an empty group reads nothing)."""
+    tokens, k = experts.shape
+    by_expert, order = torch.sort(experts.reshape(-1), stable=True)
+    ids = torch.arange(gate_up.shape[0], device=x.device)
+    ends = torch.searchsorted(by_expert, ids, right=True, out_int32=True)
+    rows = x.index_select(0, order.div(k, rounding_mode="floor"))
+    gate_up_rows = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=ends)
+    hidden = swiglu(*gate_up_rows.chunk(2, dim=-1), limit)
+    out = torch._grouped_mm(hidden, down.transpose(1, 2), offs=ends)
+    return torch.empty_like(out).index_copy_(0, order, out).view(tokens, k, -1)
