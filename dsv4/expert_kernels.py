@@ -23,13 +23,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["bagged", "grouped", "grouped_fits", "swiglu"]
+__all__ = ["bagged", "grouped", "grouped_fits", "swiglu", "swiglu_of"]
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """The clamped SwiGLU activation: the gate clamped from above, the up projection on both
     sides, at ``limit``."""
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def swiglu_of(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``swiglu`` of the two halves of ``gate_up`` along its last axis (gate first)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return swiglu(gate, up, limit)
 
 
 def _bag(stack: torch.Tensor, slots: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
@@ -55,7 +61,7 @@ def bagged(
     tokens, k = experts.shape
     slots = experts.reshape(-1)
     inputs = x.unsqueeze(1).expand(tokens, k, x.shape[1])
-    hidden = swiglu(*_bag(gate_up, slots, inputs).chunk(2, dim=-1), limit)
+    hidden = swiglu_of(_bag(gate_up, slots, inputs), limit)
     return _bag(down, slots, hidden).view(tokens, k, -1)
 
 
@@ -80,6 +86,6 @@ def grouped(
     ends = torch.searchsorted(by_expert, ids, right=True, out_int32=True)
     rows = x.index_select(0, order.div(k, rounding_mode="floor"))
     gate_up_rows = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=ends)
-    hidden = swiglu(*gate_up_rows.chunk(2, dim=-1), limit)
+    hidden = swiglu_of(gate_up_rows, limit)
     out = torch._grouped_mm(hidden, down.transpose(1, 2), offs=ends)
     return torch.empty_like(out).index_copy_(0, order, out).view(tokens, k, -1)

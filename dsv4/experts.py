@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsv4.expert_kernels import bagged, grouped, grouped_fits, swiglu
+from dsv4.expert_kernels import bagged, grouped, grouped_fits, swiglu, swiglu_of
 from dsv4.layers import as_dtype, read_rows
 
 __all__ = [
@@ -159,7 +159,7 @@ class ExpertFormulations(nn.Module):
         gate_up_stack, down_stack = self._stacks(start, stop)
         tokens = x.expand(stop - start, *x.shape)
         gate_up = torch.bmm(tokens, gate_up_stack.transpose(1, 2))  # [C, T, 2I]
-        hidden = swiglu(*gate_up.chunk(2, dim=-1), self.limit)  # [C, T, I]
+        hidden = swiglu_of(gate_up, self.limit)  # [C, T, I]
         out = torch.bmm(hidden, down_stack.transpose(1, 2))  # [C, T, hidden]
         index = local.unsqueeze(-1).expand(*local.shape, hidden_size)
         return out.transpose(0, 1).gather(1, index)
