@@ -8,7 +8,8 @@ computes the mixing weights runs in fp32 with fp32 parameters, as in the referen
 
 Op economy (a step costs per op, eagerly and on the CPU tape): the three scale/bias pairs are
 applied to all ``(2 + n) * n`` mixing logits at once, which one ``split`` then cuts into the
-three parts; every Sinkhorn half-step is two ops, a batched product and an in-place division
+three parts; the Sinkhorn rounds are one operator (``sinkhorn_``, so a capture records one op
+for them) whose every half-step is two kernels, a batched product and an in-place division
 (``x /= ones @ bordered``): ``comb`` lives in the top-left block of ``bordered [T, n+1, n+1]``
 (one ``full`` of ``eps`` plus the softmax added in place), whose last row and column hold
 ``eps``, so one product over ``n + 1`` entries gives the column (or, through the transpose, row)
@@ -25,7 +26,28 @@ from torch import nn
 
 from dsv4.layers import as_dtype
 
-__all__ = ["HyperConnection", "HyperHead", "mix"]
+__all__ = ["HyperConnection", "HyperHead", "mix", "sinkhorn_"]
+
+
+@torch.library.custom_op("dsv4::sinkhorn_", mutates_args=("bordered",))
+def sinkhorn_(bordered: torch.Tensor, ones: torch.Tensor, iters: int) -> None:
+    """``iters`` Sinkhorn rounds (columns first) on the ``[T, n, n]`` top-left block of
+    ``bordered [T, n+1, n+1]`` (its last row and column ``eps``), in place; ``ones``
+    ``[1, 1, n+1]``. ``ones @ (the block over its eps row)`` is the column sums plus ``eps``;
+    through the transpose, the row sums.
+
+    One operator: a graph records it as one op (its ``2 * (2 * iters - 1)`` kernels run as they
+    would unwrapped, into one buffer of sums)."""
+    tokens, n = bordered.shape[0], bordered.shape[-1] - 1
+    comb = bordered[:, :n, :n]
+    comb_t = comb.transpose(1, 2)
+    columns, rows = bordered[:, :, :n], bordered.transpose(1, 2)[:, :, :n]
+    ones = ones.expand(tokens, 1, n + 1)
+    sums = bordered.new_empty(tokens, 1, n)
+    comb.div_(torch.bmm(ones, columns, out=sums))
+    for _ in range(iters - 1):
+        comb_t.div_(torch.bmm(ones, rows, out=sums))
+        comb.div_(torch.bmm(ones, columns, out=sums))
 
 
 class HyperConnection(nn.Module):
@@ -62,17 +84,11 @@ class HyperConnection(nn.Module):
         pre = torch.sigmoid(pre) + eps
         post = torch.sigmoid(post) * 2
         bordered = torch.full((tokens, n + 1, n + 1), eps, dtype=x.dtype, device=x.device)
-        comb, ones = bordered[:, :n, :n], self.ones.expand(tokens, 1, n + 1)
+        comb = bordered[:, :n, :n]
         comb.add_(torch.softmax(comb_logits.view(tokens, n, n), dim=-1))  # eps + p == p + eps
-        comb_t = comb.transpose(1, 2)
-        # ones @ (comb over its eps row) = column sums + eps; through the transpose, row sums
-        columns, rows = bordered[:, :, :n], bordered.transpose(1, 2)[:, :, :n]
-        comb.div_(torch.bmm(ones, columns))
-        for _ in range(self.sinkhorn_iters - 1):
-            comb_t.div_(torch.bmm(ones, rows))
-            comb.div_(torch.bmm(ones, columns))
+        sinkhorn_(bordered, self.ones, self.sinkhorn_iters)
         collapsed = as_dtype(torch.einsum("tn,tnh->th", pre, x), streams.dtype)
-        return post, comb_t, collapsed
+        return post, comb.transpose(1, 2), collapsed
 
 
 def mix(

@@ -5,8 +5,9 @@ kernel's setup) whatever work it does, so ``ops x the cost of an empty op`` is a
 code's time. ``OpCounter`` counts ops as the tape records them: a composite op that eager runs
 as its ``CompositeImplicitAutograd`` decomposition on the tensors' device (``linear``,
 ``einsum``, ``rms_norm`` on a CPU) counts as the ops of that decomposition, views included;
-ops of a replayed tape count as the tape issues them (views and constants it does not replay
-are not issued).
+an operator implemented in Python (``torch.library.custom_op``, such as the hyper-connections'
+Sinkhorn rounds) counts as the ops its implementation runs; ops of a replayed tape count as the
+tape issues them (views and constants it does not replay are not issued).
 
 Invariant: counting changes nothing the code computes: every op runs as it would without the
 counter (a decomposed composite is the very kernel sequence eager runs).
@@ -25,6 +26,10 @@ from graphs.tape.recording import run_decomposed, runs_decomposed
 
 __all__ = ["OpCounter"]
 
+_ATEN = frozenset({"aten", "prims"})
+_PYTHON_OPERATOR = torch._C.DispatchKey.CompositeExplicitAutograd
+"""Where ``torch.library.custom_op`` puts an operator's Python implementation."""
+
 
 class OpCounter(QuietDispatchMode):
     """A dispatch mode counting the ops issued while it is active, by short name (``by_name``)
@@ -41,6 +46,9 @@ class OpCounter(QuietDispatchMode):
     def dispatch(
         self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
+        if func.namespace not in _ATEN:  # an operator of Python code: count the ops it runs
+            with self:
+                return func._op_dk(_PYTHON_OPERATOR, *args, **kwargs)
         tensors = tensors_of((args, kwargs))
         if tensors and runs_decomposed(func, tensors[0].device.type):
             with self:

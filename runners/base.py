@@ -35,6 +35,8 @@ Invariants:
 - FULL graphs serve uniform-decode batches only; mixed batches never run under FULL. So FULL
   graphs are captured only for the sizes a batch of at most ``layout.max_rows`` tokens (one per
   request in flight) pads to (``CaptureSizes.serving``); above them one could never replay.
+  Likewise a mode serving mixed batches only is not captured at size 1 (a mixed batch has two
+  tokens or more).
 - Subclasses differ only in how metadata is built (``_write_metadata``) and which metadata memory
   is static (``_static_metadata``); the region each requires is a class attribute.
 - What the engine may schedule is one value, ``limits`` (``EngineLimits``), fixed at construction.
@@ -302,10 +304,14 @@ class ModelRunner(abc.ABC):
         return self._graphs[key]
 
     def _sizes(self, mode: CUDAGraphMode) -> tuple[int, ...]:
-        """The sizes graphs of ``mode`` are captured for: FULL serves uniform-decode batches,
-        at most one token per block-table row, so only the sizes those pad to."""
+        """The sizes graphs of ``mode`` are captured for, those a batch it serves can pad to:
+        FULL serves uniform-decode batches, at most one token per block-table row; a mode that
+        serves mixed batches only (the decode mode differs) never sees one token (a mixed batch
+        has a chunk of two or more), so it skips size 1."""
         if mode is CUDAGraphMode.FULL:
             return self.capture_sizes.serving(self.layout.max_rows)
+        if mode is not self.decode_mode:
+            return tuple(size for size in self.capture_sizes.sizes if size > 1)
         return self.capture_sizes.sizes
 
     def _capture(self, key: GraphKey) -> CapturedGraph:

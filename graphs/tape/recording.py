@@ -18,9 +18,9 @@ Invariants:
   index touching it (its lifetime within the segment) and its largest size.
 - ``written`` holds every storage a recorded op wrote; ``factory_outputs`` holds factory and
   literal outputs strongly until the segment ends, to decide which of them are constants.
-- ``outside_writes`` holds the prior bytes of every storage from outside the segment that an op
-  is about to write, taken before its first write, so the segment's end can undo the writes
-  recording made (``graphs.tape.stale``: recording is not execution).
+- ``outside_writes`` logs the prior bytes of everything from outside the segment that an op is
+  about to write, before it writes, so the segment's end can undo the writes recording made
+  (``graphs.tape.stale``: recording is not execution).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from graphs.tape.planning import (
     signature,
 )
 from graphs.tape.refs import TensorRef, map_leaves
-from graphs.tape.stale import OutsideWrites
+from graphs.tape.stale import OutsideWrites, written_rows
 from graphs.tape.steps import Const, Plan
 
 __all__ = ["Record", "Recorder", "StorageInfo", "run_decomposed", "runs_decomposed"]
@@ -154,9 +154,10 @@ class Recorder(QuietDispatchMode):
                 key = signature(func, args, kwargs)
                 mutated = mutated_tensors(func, args, kwargs)
                 before = inplace_copies(func, mutated, key, self.plan_cache)
+                rows = written_rows(func, args, kwargs)
                 for t in mutated:
                     if storage_key(t) not in self.storages:
-                        self.outside_writes.save(t)
+                        self.outside_writes.save(t, rows)
         result = func(*args, **kwargs)
         self.num_ops += 1
         outs = tensors_of(result)

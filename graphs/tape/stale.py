@@ -12,19 +12,25 @@ Invariants:
   (an index out of range of any table, so indexing with it fails loudly) and ``True`` for bool.
 - Every storage from outside the segment that a recorded op wrote gets back the bytes it held
   before the segment's first write to it, so only replays ever change it (as on CUDA, where the
-  capture-time replay is the first and only run of those writes).
+  capture-time replay is the first and only run of those writes). Only the bytes written are
+  kept where the op names them (``written_rows``), so a write of one row into a large cache
+  costs one row, not the cache.
 - Constants (factory outputs the tape keeps and never replays) are left as they are: every
   replay would give them the same value.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from graphs._tensor_refs import storage_key
 from graphs.tape.refs import alias
 
-__all__ = ["OutsideWrites", "fill_junk", "junk_value"]
+__all__ = ["OutsideWrites", "fill_junk", "junk_value", "written_rows"]
 
 
 def junk_value(dtype: torch.dtype) -> float | int | bool:
@@ -44,21 +50,52 @@ def fill_junk(storage: torch.UntypedStorage, dtype: torch.dtype) -> None:
         alias(storage, dtype, 0, (count,), (1,)).fill_(junk_value(dtype))
 
 
+def written_rows(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[int, torch.Tensor] | None:
+    """``(dim, index)`` when ``func`` writes only the slices ``index`` of ``args[0]`` along
+    ``dim`` (``index_copy_``: a KV-cache write names the rows it writes), else ``None``."""
+    if func is not torch.ops.aten.index_copy_.default or kwargs or len(args) != 4:
+        return None
+    dim, index = args[1], args[2]
+    if not isinstance(dim, int) or not isinstance(index, torch.Tensor):
+        return None
+    return dim, index
+
+
 class OutsideWrites:
-    """Storages from outside a recording segment that its ops wrote, with their prior bytes."""
+    """An undo log of the writes a recording segment made to storages from outside it.
+
+    Each write is logged, before it runs, by the bytes it is about to change: the slices an
+    ``index_copy_`` names (``written_rows``: a few rows of a large cache), else the whole
+    storage, once (a storage whose whole bytes are kept needs nothing more logged). ``restore``
+    undoes the log newest first, so every storage ends as it was before the segment's first
+    write to it, whatever the order and overlap of the writes.
+    """
 
     def __init__(self) -> None:
-        self._saved: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
+        self._log: list[Callable[[], object]] = []
+        self._whole: set[int] = set()
 
-    def save(self, tensor: torch.Tensor) -> None:
-        """Keep ``tensor``'s storage bytes as they are now, unless already kept."""
+    def save(self, tensor: torch.Tensor, rows: tuple[int, torch.Tensor] | None = None) -> None:
+        """Log the bytes of ``tensor`` a write is about to change: the slices ``rows``
+        (``(dim, index)``) of it, or its whole storage."""
         key = storage_key(tensor)
-        if key not in self._saved:
-            storage = tensor.untyped_storage()
-            self._saved[key] = (storage, storage.clone())
+        if key in self._whole:
+            return
+        if rows is not None:
+            dim, index = rows
+            index = index.clone()
+            before = tensor.index_select(dim, index)
+            self._log.append(functools.partial(tensor.index_copy_, dim, index, before))
+            return
+        storage = tensor.untyped_storage()
+        self._whole.add(key)
+        self._log.append(functools.partial(storage.copy_, storage.clone()))
 
     def restore(self) -> None:
-        """Give every kept storage its saved bytes back and forget them."""
-        for storage, saved in self._saved.values():
-            storage.copy_(saved)
-        self._saved.clear()
+        """Undo every logged write, newest first, and forget them."""
+        for undo in reversed(self._log):
+            undo()
+        self._log.clear()
+        self._whole.clear()

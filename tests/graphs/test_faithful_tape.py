@@ -137,6 +137,30 @@ def test_without_undoing_outside_writes_the_capture_applies_them_twice(
     assert _counter_after_capture_and_seen_by_break() == (2.0, 2.0)
 
 
+def test_row_writes_and_whole_writes_to_a_cache_are_undone_in_any_order() -> None:
+    """A cache row write logs only its rows; a whole write the storage. Interleaved (rows, then
+    the whole tensor, then rows again, a repeated row among them), recording leaves the cache
+    as it was, and a replay leaves it as the program run eagerly does."""
+    rows, repeated = torch.tensor([4, 1]), torch.tensor([1, 1, 5])
+
+    def writes(cache: torch.Tensor) -> None:
+        picked = rows + 0  # an index the segment computes
+        cache.index_copy_(0, picked, torch.full((2, 4), -1.0))
+        cache[2:].mul_(3)
+        cache.index_copy_(0, repeated, torch.full((3, 4), 7.0))
+        cache.index_copy_(0, picked.flip(0), torch.ones(2, 4))
+
+    cache = torch.arange(24, dtype=torch.float32).view(6, 4)
+    expected = cache.clone()
+    before = cache.clone()
+    capture, _ = _capture(lambda: writes(cache))
+    assert torch.equal(cache, before)
+    with torch.inference_mode():
+        writes(expected)
+    capture.replay()
+    assert torch.equal(cache, expected)
+
+
 def test_the_last_segments_outside_writes_wait_for_replay() -> None:
     buffer = torch.zeros(3)
     capture, _ = _capture(lambda: buffer.copy_(torch.ones(3)))

@@ -59,7 +59,8 @@ def test_capture_runs_largest_context_and_size_first_with_one_break_per_attentio
     runner.capture()
     # buckets of 8, 16 and 32 tokens: 2, 4 and 8 blocks of 4, the largest first
     assert runner.context_buckets.widths == (2, 4, 8)
-    per_bucket = ((FULL, 2), (PIECEWISE, 2), (FULL, 1), (PIECEWISE, 1))
+    # one token is a uniform decode batch (FULL): no mixed batch replays PIECEWISE at size 1
+    per_bucket = ((FULL, 2), (PIECEWISE, 2), (FULL, 1))
     assert runner.captured == tuple(
         GraphKey(mode, size, width) for width in (8, 4, 2) for mode, size in per_bucket
     )
@@ -67,8 +68,18 @@ def test_capture_runs_largest_context_and_size_first_with_one_break_per_attentio
     graphs = [runner._graphs[key] for key in runner.captured]
     assert all(g.capture.layout == "G" for g in graphs if g.key.mode is FULL)
     assert all(g.capture.num_eager_breaks == layers for g in graphs if g.key.mode is PIECEWISE)
-    assert runner.num_graphs == 3 * (2 + 2 * (layers + 1))
-    assert runner.num_eager_breaks == 3 * 2 * layers
+    assert runner.num_graphs == 3 * (2 + (layers + 1))
+    assert runner.num_eager_breaks == 3 * layers
+
+
+def test_piecewise_decode_graphs_are_captured_at_one_token() -> None:
+    """Where decode batches replay PIECEWISE too, one token is a size PIECEWISE serves."""
+    runner = tiny_runner(resolve_on(runner="v2", mode="PIECEWISE"), capture_sizes=(1, 2))
+    runner.capture()
+    assert {(key.mode, key.num_tokens) for key in runner.captured} == {
+        (PIECEWISE, 2),
+        (PIECEWISE, 1),
+    }
 
 
 def test_graphs_are_held_for_at_most_max_graph_contexts_buckets() -> None:
@@ -78,7 +89,7 @@ def test_graphs_are_held_for_at_most_max_graph_contexts_buckets() -> None:
         max_graph_contexts=2,
     )
     runner.capture()  # ahead of time: the two smallest buckets, the larger first
-    assert [key.width for key in runner.captured] == [4] * 4 + [2] * 4
+    assert [key.width for key in runner.captured] == [4] * 3 + [2] * 3
     eager = tiny_runner(resolve_on(runner="v2", mode="NONE"))
     # A request growing past 16 tokens steps into the third bucket: it runs eagerly there, at
     # its exact width, and nothing more is captured.
@@ -89,7 +100,7 @@ def test_graphs_are_held_for_at_most_max_graph_contexts_buckets() -> None:
     later = [ScheduledChunk(row=0, block_ids=tuple(range(8)), start_position=16, num_tokens=2)]
     got, expected = runner.execute(later, [prompt[16:18]]), eager.execute(later, [prompt[16:18]])
     assert float((got - expected).abs().max()) <= 1e-5
-    assert [key.width for key in runner.captured] == [4] * 4 + [2] * 4
+    assert [key.width for key in runner.captured] == [4] * 3 + [2] * 3
 
 
 def test_dispatch_pads_captures_on_demand_and_runs_eagerly_above_the_largest_size() -> None:
