@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "ConfigError"]
+__all__ = ["CheckpointError", "ConfigError", "TensorValueError"]
 
 
 class ConfigError(ValueError):
@@ -12,3 +12,13 @@ class ConfigError(ValueError):
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded: a missing, unexpected, mis-shaped or quantised tensor
     (named in the message), or a missing/unreadable file."""
+
+
+class TensorValueError(CheckpointError):
+    """A tensor of the right name, dtype and shape whose values the model cannot run with."""
+
+    def __init__(self, tensor: str, file: str, reason: str) -> None:
+        self.tensor = tensor
+        self.file = file
+        self.reason = reason
+        super().__init__(f"tensor {tensor!r} in {file} {reason}")

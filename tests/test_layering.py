@@ -110,7 +110,7 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_imports_inside_functions_and_relative_imports_are_read() -> None:
-    source = "import a\n\ndef f():\n    from b import c\n    from . import d\n    from .e import g\n"
+    source = "import a\ndef f():\n    from b import c\n    from . import d\n    from .e import g\n"
     found = set(_imported_names(ast.parse(source), "p.q"))
     assert {"a", "b", "b.c", "p.q", "p.q.d", "p.q.e", "p.q.e.g"} <= found
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from graphs import BackendUnavailableError, BreakableCapture, eager_break_during_capture
-from graphs.backend import backend_for_device
+from graphs.capture import backend_for_device
 from graphs.cuda_backend import CudaGraphBackend
 
 
