@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from graphs.errors import InputError
+
 __all__ = ["CheckpointError", "ConfigError", "TensorValueError"]
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError, ValueError):
     """A configuration value the model cannot run with (names the field and the allowed values)."""
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError, ValueError):
     """A checkpoint that cannot be loaded: a missing, unexpected, mis-shaped or quantised tensor
     (named in the message), or a missing/unreadable file."""
 

@@ -64,7 +64,7 @@ from runners.batch import (
 )
 from runners.captured import CapturedGraph, capture_step, static_memory
 from runners.engine.executor import EngineLimits, ScheduledChunk
-from runners.errors import RunnerInputError
+from runners.errors import CaptureSizeError, RunnerInputError
 from runners.layout import CacheLayout
 from runners.modes import CUDAGraphMode
 
@@ -112,7 +112,9 @@ class ModelRunner(abc.ABC):
         if mixed_mode is CUDAGraphMode.FULL:
             raise ValueError("FULL graphs serve uniform-decode batches only; use PIECEWISE")
         if max_graph_contexts < 1:
-            raise ValueError(f"max_graph_contexts must be at least 1, got {max_graph_contexts}")
+            raise CaptureSizeError(
+                f"max_graph_contexts must be at least 1, got {max_graph_contexts}"
+            )
         platform.require_available()
         self.platform = platform
         self.device = platform.device

@@ -14,6 +14,7 @@ import sys
 import traceback
 
 from dsv4.parallel import ParallelSizeError
+from graphs.errors import InputError
 from platforms.errors import UnknownPlatformError
 from runners.capacity import CapacityError
 from runners.errors import UnsupportedDtypeError
@@ -25,7 +26,7 @@ EXIT_USAGE = 2
 EXIT_INTERNAL = 3
 
 
-class UsageError(ValueError):
+class UsageError(InputError, ValueError):
     """A malformed command line: the user must change what they typed."""
 
 
