@@ -151,6 +151,7 @@ class Capacity:
             block_size=self.block_size,
             max_rows=self.max_num_seqs,
             max_blocks_per_row=-(-length // self.block_size),
+            max_model_len=length,
         )
         return CapacityPlan(
             layout=layout,

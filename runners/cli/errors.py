@@ -1,10 +1,10 @@
 """Turning failures into the CLI's one-line errors.
 
 Exit codes: 2 for bad usage (unknown options or names, malformed values, a compute dtype the
-platform cannot compute in, a capacity the model or the memory cannot serve, a parallel size
-the model cannot be split into), 1 for everything else the user can act on (a missing or broken
-checkpoint, a request that cannot fit, a refused region, a failed rank), 3 for an internal
-error (a bug: the message says how to get the traceback).
+platform cannot compute in, a capacity the model or the memory cannot serve, capture sizes a
+step cannot carry, a parallel size the model cannot be split into), 1 for everything else the
+user can act on (a missing or broken checkpoint, a request that cannot fit, a refused region, a
+failed rank), 3 for an internal error (a bug: the message says how to get the traceback).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dsv4.parallel import ParallelSizeError
 from graphs.errors import InputError
 from platforms.errors import UnknownPlatformError
 from runners.capacity import CapacityError
-from runners.errors import UnsupportedDtypeError
+from runners.errors import CaptureSizeError, UnsupportedDtypeError
 
 __all__ = ["EXIT_INTERNAL", "EXIT_RUNTIME", "EXIT_USAGE", "UsageError", "report_failure"]
 
@@ -37,7 +37,13 @@ def _one_line(message: str) -> str:
 def report_failure(command: str, exc: BaseException) -> int:
     """Print ``exc`` as one line on stderr and return the exit code for it (an unknown platform
     name is a bad flag value: it can only have come from ``--platform`` or ``DSV4_PLATFORM``)."""
-    usage = (UsageError, UnknownPlatformError, UnsupportedDtypeError, CapacityError)
+    usage = (
+        UsageError,
+        UnknownPlatformError,
+        UnsupportedDtypeError,
+        CapacityError,
+        CaptureSizeError,
+    )
     if isinstance(exc, (*usage, ParallelSizeError)):
         code = EXIT_USAGE
     elif isinstance(exc, (ValueError, LookupError, RuntimeError, OSError)):
