@@ -203,6 +203,18 @@ def test_the_built_in_model_stays_byte_level(capsys: pytest.CaptureFixture[str])
     assert "    text   'hi' -> " in capsys.readouterr().out
 
 
+def test_a_prompt_that_is_not_utf8_is_a_usage_error_for_a_tokenizer_and_bytes_without(
+    made_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    typed = b"hi \xff\xfe".decode("utf-8", errors="surrogateescape")  # as Python gets argv
+    argv = ["run", "--checkpoint", str(made_checkpoint), "--prompt", typed, *FAST]
+    code, line = _error(capsys, argv)
+    assert code == 2
+    assert line.startswith("dsv4 run: error: --prompt is not UTF-8 text (byte 0xff at offset 3)")
+    argv = ["run", "--prompt", typed, "--max-new-tokens", "1", *FAST]
+    assert _json(capsys, argv)["outputs"][0]["prompt_ids"] == list(b"hi \xff\xfe")
+
+
 def test_a_checkpoint_without_a_tokenizer_stays_byte_level(
     ckpt: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
