@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -197,6 +198,20 @@ def test_help_explains_every_command() -> None:
     )
     for command in ("run", "explain", "matrix", "bench", "init-checkpoint"):
         assert command in result.stdout
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_a_reader_that_closes_stdout_early_stops_the_command_quietly(json_flag: list[str]) -> None:
+    """``dsv4 explain | head``: the reader is gone before the command writes; no traceback, no
+    error line, and the status a shell reports for a writer a closed pipe stopped."""
+    read, write = os.pipe()
+    os.close(read)
+    argv = [sys.executable, "-m", "runners.cli.main", "explain", "--platform", "rocm", *json_flag]
+    try:
+        result = subprocess.run(argv, stdout=write, stderr=subprocess.PIPE, text=True)
+    finally:
+        os.close(write)
+    assert (result.returncode, result.stderr) == (141, "")
 
 
 def test_seeded_sampling_reproduces_and_differs_from_greedy(
