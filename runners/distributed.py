@@ -17,7 +17,9 @@ Invariants of ``run_local``:
   ``os._exit``) is seen by its exit code; either way every other rank is terminated (killed
   after ``GRACE_S``), and the parent raises ``RankFailedError`` naming the rank and its error:
   the cause, not the peers that failed because they lost it (``_cause``).
-- A ``KeyboardInterrupt`` in the parent terminates every rank the same way and is re-raised.
+- A ``KeyboardInterrupt`` in the parent terminates every rank the same way and is re-raised;
+  the ranks never see a terminal's Ctrl-C themselves (``dsv4_rank``), so it prints one line.
+- A rank whose parent is killed exits within ``dsv4_rank.PARENT_POLL_S``, importing or not.
 - No worker outlives the call: each is joined, or killed and joined.
 - Collectives give up after ``COLLECTIVE_TIMEOUT`` (the process group's timeout), so a rank
   whose peer vanished unnoticed cannot wait forever.
@@ -42,6 +44,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from dsv4_rank import children_ignore_ctrl_c, run_rank
 from platforms import Platform
 
 __all__ = [
@@ -172,14 +175,15 @@ def run_local(
     results: Any = context.Queue()
     workers = [
         context.Process(
-            target=_worker,
-            args=(command, args, world, backend, results),
+            target=run_rank,
+            args=(os.getpid(), pickle.dumps((_worker, (command, args, world, backend))), results),
             name=f"dsv4-rank-{world.rank}",
         )
         for world in local_worlds(size)
     ]
-    for worker in workers:
-        worker.start()
+    with children_ignore_ctrl_c():  # a terminal's Ctrl-C is this process's alone to handle
+        for worker in workers:
+            worker.start()
     try:
         return _supervise(workers, results)
     finally:
@@ -264,8 +268,6 @@ def _worker(
     try:
         with process_group(world, backend):
             payload = command(args)
-    except KeyboardInterrupt:
-        os._exit(130)
     except BaseException as exc:  # every failure reaches the parent as one line
         results.put((world.rank, False, one_line(exc)))
         return

@@ -147,8 +147,8 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _ranks(parent: subprocess.Popen[str], count: int) -> list[int]:
-    """The pids of ``parent``'s spawned ranks, once they all run the model."""
+def _started(parent: subprocess.Popen[str], count: int) -> list[int]:
+    """The pids of ``parent``'s ``count`` spawned ranks, as soon as they exist (importing)."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         ranks = [
@@ -157,14 +157,48 @@ def _ranks(parent: subprocess.Popen[str], count: int) -> list[int]:
             if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
         ]
         if len(ranks) == count:
-            time.sleep(8)  # let them get into the generation
             return sorted(ranks)
-        time.sleep(0.2)
+        time.sleep(0.02)
     raise AssertionError("the ranks did not start")
 
 
+def _sigint_in(pid: int, mask: str) -> bool:
+    """Whether SIGINT is in ``pid``'s signal ``mask`` of /proc (``SigCgt``: it has a handler,
+    so a Python interpreter has started there; ``SigBlk``: it is blocked)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{mask}:"):
+            return bool(int(line.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+    return False
+
+
+def _in_process_group(pids: list[int]) -> bool:
+    """Whether every rank holds a socket: they open them joining the process group, after the
+    library is imported (before, a spawned rank has pipes only)."""
+    for pid in pids:
+        links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+        if not any(link.startswith("socket:") for link in links):
+            return False
+    return True
+
+
+def _ranks(parent: subprocess.Popen[str], count: int) -> list[int]:
+    """The pids of ``parent``'s spawned ranks, once they all run the model."""
+    ranks = _started(parent, count)
+    time.sleep(8)  # let them get into the generation
+    return ranks
+
+
 def _gone(pids: list[int]) -> bool:
-    return not [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+    """Whether every process of ``pids`` has exited (a zombie an adopter has not reaped yet
+    has exited too)."""
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            return False
+    return True
 
 
 LONG_RUN = [
@@ -204,3 +238,41 @@ def test_a_fault_stops_every_rank_and_leaves_no_process(fault: str, code: int, l
     assert parent.returncode == code and out == ""
     assert err.strip().splitlines()[-1] == line, err
     assert _gone(ranks)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+def test_a_terminal_ctrl_c_while_ranks_start_is_one_line() -> None:
+    """A terminal sends Ctrl-C to the whole foreground group, ranks importing torch included:
+    the parent alone answers it, with one line."""
+    parent = subprocess.Popen(
+        LONG_RUN, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    ranks = _started(parent, 2)
+    deadline = time.monotonic() + 60
+    while not all(_sigint_in(pid, "SigCgt") for pid in ranks):  # Python runs: importing
+        assert time.monotonic() < deadline, "the ranks did not start Python"
+        time.sleep(0.01)
+    # held back in the ranks (a traceback each otherwise, when they print before the parent
+    # stops them: a race, so the mask itself is checked)
+    assert all(_sigint_in(pid, "SigBlk") for pid in ranks)
+    os.killpg(parent.pid, signal.SIGINT)
+    out, err = parent.communicate(timeout=60)
+    assert (parent.returncode, out, err) == (130, "", "dsv4 run: interrupted\n")
+    assert _gone(ranks)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+@pytest.mark.parametrize("when", ["importing", "in the process group"])
+def test_ranks_whose_parent_is_killed_exit_within_seconds(when: str) -> None:
+    parent = subprocess.Popen(LONG_RUN, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ranks = _started(parent, 2)
+    deadline = time.monotonic() + 60
+    while when != "importing" and not _in_process_group(ranks):
+        assert time.monotonic() < deadline, "the ranks did not join their process group"
+        time.sleep(0.05)
+    parent.kill()
+    parent.wait()
+    killed = time.monotonic()
+    while not _gone(ranks) and time.monotonic() - killed < 30:
+        time.sleep(0.05)
+    assert _gone(ranks) and time.monotonic() - killed < 3.0
