@@ -33,13 +33,32 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip every ``@pytest.mark.cuda`` test, with a reason, where no CUDA device exists."""
+    """Skip every ``@pytest.mark.cuda`` test, with a reason, where no CUDA device exists; keep
+    the tests of a module that share a module-scoped fixture on one xdist worker."""
+    for item in items:
+        if _shares_a_module_fixture(item) and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; none is available on this machine")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def _shares_a_module_fixture(item: pytest.Item) -> bool:
+    """Whether ``item`` uses a module- or class-scoped fixture other than ``one_thread``: an
+    expensive object (a model, a checkpoint, a captured runner) built once for its module. Under
+    ``--dist loadgroup`` such a module's tests go to one worker, which builds it once; the other
+    tests are spread one by one."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(
+        definition.scope in ("module", "class") and name != "one_thread"
+        for name, definitions in info.name2fixturedefs.items()
+        for definition in definitions
+    )
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -20,6 +20,7 @@ from dsv4 import DeepseekV4Config
 from dsv4.testing import random_model
 from runners.cli.main import main
 from tests.dsv4.support import hf_twin
+from tests.readme.examples import command_lines, shell_block
 
 PROMPTS = ["--prompt-ids", "1,2,3,4,5", "--prompt-ids", "9,8,7", "--max-new-tokens", "5"]
 FAST = ["--platform", "cpu", "--capture-sizes", "1,2", "--threads", "1"]
@@ -36,7 +37,7 @@ def _outputs(capsys: pytest.CaptureFixture[str], argv: list[str]) -> list[list[i
 MODES = ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES[:-1])  # the default, FULL_AND_PIECEWISE: the docs' test
 def test_two_ranks_give_the_tokens_of_one_in_every_graph_mode(
     capsys: pytest.CaptureFixture[str], mode: str
 ) -> None:
@@ -95,32 +96,33 @@ def _run_json(command: list[str]) -> list[list[int]]:
     return [o["output_ids"] for o in json.loads(lines[0])["outputs"]]
 
 
-def test_torchrun_one_node_and_two_nodes_give_the_tokens_of_one_rank(
+def _torchrun(argv: list[str], **names: str) -> list[str]:
+    """A documented ``torchrun`` line as this interpreter runs it: ``HOST``, ``PORT`` and ``R``
+    filled in from ``names``, a free port where the line leaves torchrun's default."""
+    filled = [names.get(arg, arg) for arg in argv[1:]]
+    if "--master-port" not in filled:
+        filled = ["--master-port", str(_free_port()), *filled]
+    return [*TORCHRUN, *filled]
+
+
+def test_the_documented_parallel_commands_give_the_tokens_of_one_rank(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    argv = ["run", *PROMPTS, *FAST, "--json"]
-    expected = _outputs(capsys, argv[:-1])
-    one_node = [*TORCHRUN, "--nproc-per-node", "2", "--master-port", str(_free_port())]
-    assert _run_json([*one_node, "-m", "dsv4_cli", *argv]) == expected
+    """Every line of the docs' tensor-parallel block, with this suite's prompts and sizes
+    appended: local ranks, torchrun on one node and on two (both here), and explain."""
+    extra = [*PROMPTS, *FAST, "--json"]
+    lines = command_lines(shell_block("tensor-parallel"))
+    assert [line[0] for line in lines] == ["dsv4", "torchrun", "torchrun", "dsv4"]
+    local, one_node, two_nodes, explain = lines
+    run_argv = one_node[one_node.index("dsv4_cli") + 1 :]
+    assert run_argv[0] == "run" and local[1:] == [*run_argv, "--tensor-parallel-size", "2"]
+    expected = _outputs(capsys, [*run_argv, *extra[:-1]])
+    assert _outputs(capsys, [*local[1:], *extra[:-1]]) == expected
+    assert _run_json([*_torchrun(one_node), *extra]) == expected
     port = str(_free_port())
     nodes = [
         subprocess.Popen(
-            [
-                *TORCHRUN,
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(rank),
-                "--nproc-per-node",
-                "1",
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                port,
-                "-m",
-                "dsv4_cli",
-                *argv,
-            ],
+            [*_torchrun(two_nodes, HOST="127.0.0.1", PORT=port, R=str(rank)), *extra],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -131,6 +133,8 @@ def test_torchrun_one_node_and_two_nodes_give_the_tokens_of_one_rank(
     assert [node.returncode for node in nodes] == [0, 0], [err for _, err in outs]
     assert outs[1][0].strip() == ""  # the second node's rank is 1: it prints nothing
     assert [o["output_ids"] for o in json.loads(outs[0][0])["outputs"]] == expected
+    assert main([*explain[1:], "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tensor_parallel_size"] == 2
 
 
 def _children(pid: int) -> list[int]:
@@ -175,7 +179,12 @@ def _in_process_group(pids: list[int]) -> bool:
     """Whether every rank holds a socket: they open them joining the process group, after the
     library is imported (before, a spawned rank has pipes only)."""
     for pid in pids:
-        links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+        links = []
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                links.append(os.readlink(fd))
+            except OSError:  # closed since the listing
+                continue
         if not any(link.startswith("socket:") for link in links):
             return False
     return True

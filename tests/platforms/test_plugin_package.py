@@ -1,12 +1,12 @@
-"""The README's out-of-tree platform package, built, installed and tested as its author would.
+"""The documented out-of-tree platform package, built, installed and tested as its author would.
 
-The package's files are the README's code blocks marked ``<!-- platform-plugin: PATH -->``,
-written verbatim, so the example cannot rot. It is installed with pip (offline, no build
-isolation, no dependencies: this project is already installed) into a target directory put on
-``PYTHONPATH``; entry points are discovered from the ``.dist-info`` pip writes there. Then, each
-in a fresh process as a user would run it: ``dsv4 explain`` for the plugin and a built-in, the
-conformance kit in the package (no ``conftest.py`` of ours: the kit's own settings), and two
-wrong claims the kit must refute within a minute, naming what is wrong.
+The package's files are the code blocks of ``docs/platforms.md`` marked ``<!-- example: plugin PATH
+-->`` (``tests.readme.examples``), written verbatim, so the example cannot rot. It is installed with
+pip (offline, no build isolation, no dependencies: this project is already installed) into a target
+directory put on ``PYTHONPATH``; entry points are discovered from the ``.dist-info`` pip writes
+there. Then, each in a fresh process as a user would run it: ``dsv4 explain`` for the plugin and a
+built-in, the conformance kit in the package (no ``conftest.py`` of ours: the kit's own settings),
+and two wrong claims the kit must refute within a minute, naming what is wrong.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-MARKED_BLOCK = re.compile(r"<!-- platform-plugin: (\S+) -->\s*```[a-z]*\n(.*?)```", re.DOTALL)
+from tests.readme.examples import all_blocks
+
 PACKAGE_FILES = ("mypkg/__init__.py", "pyproject.toml", "tests/test_mydev.py")
 KIT_SECONDS = 60.0
 
 WRONG_CLAIMS = '''
-"""Two wrong claims about the README's platform; the kit must refute each within a minute."""
+"""Two wrong claims about the documented platform; the kit must refute each within a minute."""
 
 from graphs import FullGraph
 from mypkg import MyPlatform
@@ -105,14 +105,15 @@ class TestBrokenReplay(PlatformConformanceTests):
 '''
 
 
-def readme_package_files() -> dict[str, str]:
-    """The README's marked blocks by file path; a missing one fails naming the marker."""
-    blocks = dict(MARKED_BLOCK.findall(README.read_text()))
+def documented_package_files() -> dict[str, str]:
+    """The documented package's blocks by file path; a missing one fails naming the marker."""
+    blocks = {block.name: block.body for block in all_blocks("plugin")}
     missing = [path for path in PACKAGE_FILES if path not in blocks]
-    if missing:
+    if missing or len(blocks) != len(PACKAGE_FILES):
         pytest.fail(
-            f"README.md lacks the marked example blocks {missing}: each is a fenced code block "
-            "right after a line '<!-- platform-plugin: PATH -->' in 'Adding a platform'"
+            f"the docs lack the plugin blocks {missing} (or have others: {sorted(blocks)}): "
+            "each is a fenced code block right after a line '<!-- example: plugin PATH -->' in "
+            "docs/platforms.md"
         )
     return {path: blocks[path] for path in PACKAGE_FILES}
 
@@ -129,23 +130,23 @@ def run(command: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str, s
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
-    """The README package, pip-installed into a target directory; (package dir, environment)."""
+    """The documented package, pip-installed into a target directory; (package dir, environment)."""
     root = tmp_path_factory.mktemp("plugin")
     package, target = root / "mypkg-src", root / "site"
-    for path, text in readme_package_files().items():
+    for path, text in documented_package_files().items():
         (package / path).parent.mkdir(parents=True, exist_ok=True)
         (package / path).write_text(text)
     pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index"]
     pip += ["--no-build-isolation", "--target", str(target), str(package)]
     env = {k: v for k, v in os.environ.items() if k not in ("DSV4_PLATFORM", "PYTHONPATH")}
     code, _, output, _ = run(pip, env, root)
-    assert code == 0, f"pip install of the README package failed:\n{output}"
+    assert code == 0, f"pip install of the documented package failed:\n{output}"
     env["PYTHONPATH"] = str(target)
     return package, env
 
 
-def test_the_readme_package_is_complete_code() -> None:
-    files = readme_package_files()
+def test_the_documented_package_is_complete_code() -> None:
+    files = documented_package_files()
     for path in ("mypkg/__init__.py", "tests/test_mydev.py"):
         tree = ast.parse(files[path], filename=path)
         stubs = [
@@ -157,7 +158,7 @@ def test_the_readme_package_is_complete_code() -> None:
             and isinstance(f.body[0].value, ast.Constant)
             and f.body[0].value.value is Ellipsis
         ]
-        assert not stubs, f"README {path}: {stubs} have '...' bodies; show working code"
+        assert not stubs, f"docs/platforms.md {path}: {stubs} have '...' bodies; show working code"
     assert '"dsv4.platforms"' in files["pyproject.toml"]
 
 
