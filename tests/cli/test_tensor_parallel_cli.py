@@ -21,6 +21,7 @@ from dsv4.testing import random_model
 from runners.cli.main import main
 from tests.dsv4.support import hf_twin
 from tests.readme.examples import command_lines, shell_block
+from tests.runners.support import resolve_on
 
 PROMPTS = ["--prompt-ids", "1,2,3,4,5", "--prompt-ids", "9,8,7", "--max-new-tokens", "5"]
 FAST = ["--platform", "cpu", "--capture-sizes", "1,2", "--threads", "1"]
@@ -37,7 +38,22 @@ def _outputs(capsys: pytest.CaptureFixture[str], argv: list[str]) -> list[list[i
 MODES = ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 
 
-@pytest.mark.parametrize("mode", MODES[:-1])  # the default, FULL_AND_PIECEWISE: the docs' test
+def _resolved_at_two_ranks(mode: str) -> tuple[object, ...]:
+    r = resolve_on(runner="v2", mode=mode, tensor_parallel_size=2)
+    return (r.decode_mode, r.mixed_mode, r.eager_region.name)
+
+
+DISTINCT = sorted({_resolved_at_two_ranks(m): m for m in MODES}.values(), key=MODES.index)
+"""One mode per distinct resolution at two ranks on the CPU: there FULL graphs are downgraded
+to PIECEWISE (gloo collectives break them), so FULL and FULL_AND_PIECEWISE run what PIECEWISE
+runs (``test_parallel_resolution`` checks the downgrade itself)."""
+
+
+def test_the_modes_resolve_to_three_runs_at_two_ranks() -> None:
+    assert DISTINCT == ["NONE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
+
+
+@pytest.mark.parametrize("mode", DISTINCT[:-1])  # the default, FULL_AND_PIECEWISE: the docs' test
 def test_two_ranks_give_the_tokens_of_one_in_every_graph_mode(
     capsys: pytest.CaptureFixture[str], mode: str
 ) -> None:
@@ -57,7 +73,7 @@ def test_a_transformers_checkpoint_on_two_ranks_in_every_graph_mode(
 ) -> None:
     argv = ["run", *PROMPTS, *FAST, "--checkpoint", str(transformers_checkpoint)]
     expected = _outputs(capsys, argv)
-    for mode in MODES:
+    for mode in DISTINCT:
         parallel = [*argv, "--cudagraph-mode", mode, "--tensor-parallel-size", "2"]
         assert _outputs(capsys, parallel) == expected, mode
 
@@ -193,7 +209,11 @@ def _in_process_group(pids: list[int]) -> bool:
 def _ranks(parent: subprocess.Popen[str], count: int) -> list[int]:
     """The pids of ``parent``'s spawned ranks, once they all run the model."""
     ranks = _started(parent, count)
-    time.sleep(8)  # let them get into the generation
+    deadline = time.monotonic() + 60
+    while not _in_process_group(ranks):
+        assert time.monotonic() < deadline, "the ranks did not join their process group"
+        time.sleep(0.05)
+    time.sleep(2)  # the tiny model builds in well under that: they are generating
     return ranks
 
 

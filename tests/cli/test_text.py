@@ -13,7 +13,9 @@ from tokenizers import Tokenizer
 
 from runners.cli.main import main
 
-FAST = ["--capture-sizes", "1,2,4", "--threads", "1", "--platform", "cpu"]
+FAST = ["--cudagraph-mode", "NONE", "--threads", "1", "--platform", "cpu"]
+"""Eager runs: text, tokens and stops are host-side (the README's tour runs the text path with
+its graphs)."""
 BOS = "<｜begin▁of▁sentence｜>"
 
 
