@@ -190,24 +190,22 @@ def test_missing_or_broken_checkpoint(
     assert str(ckpt) in line or "safetensors" in line or "config" in line
 
 
-def test_help_explains_every_command() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "runners.cli.main", "--help"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    for command in ("run", "explain", "matrix", "bench", "init-checkpoint"):
-        assert command in result.stdout
+def test_help_explains_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("run", "explain", "matrix", "bench", "bench-load", "init-checkpoint"):
+        assert command in out
 
 
-@pytest.mark.parametrize("json_flag", [[], ["--json"]])
-def test_a_reader_that_closes_stdout_early_stops_the_command_quietly(json_flag: list[str]) -> None:
+def test_a_reader_that_closes_stdout_early_stops_the_command_quietly() -> None:
     """``dsv4 explain | head``: the reader is gone before the command writes; no traceback, no
-    error line, and the status a shell reports for a writer a closed pipe stopped."""
+    error line, and the status a shell reports for a writer a closed pipe stopped (a process of
+    its own: what matters is also what the interpreter says when it exits)."""
     read, write = os.pipe()
     os.close(read)
-    argv = [sys.executable, "-m", "runners.cli.main", "explain", "--platform", "rocm", *json_flag]
+    argv = [sys.executable, "-m", "runners.cli.main", "explain", "--platform", "rocm"]
     try:
         result = subprocess.run(argv, stdout=write, stderr=subprocess.PIPE, text=True)
     finally:

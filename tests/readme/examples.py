@@ -35,7 +35,10 @@ import attrs
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
-CLAIMED = {"tensor-parallel": "tests/cli/test_tensor_parallel_cli.py"}
+CLAIMED = {
+    "tensor-parallel": "tests/cli/test_tensor_parallel_cli.py",
+    "reproduce": "tests/cli/test_bench.py",
+}
 """Shell blocks run by a test module of their own (which calls ``shell_block(NAME)``)."""
 
 _FENCE = re.compile(r"^```([a-z]*)\n(.*?)^```\n", re.DOTALL | re.MULTILINE)

@@ -25,10 +25,11 @@ SMOKE: dict[tuple[str, ...], list[str]] = {
     ("dsv4", "bench", "--context-sweep"): [
         *("--contexts", "32,64", "--max-model-len", "1024", "--prefill-tokens", "64"),
         *("--repeats", "1", "--threads", "1", "--max-num-batched-tokens", "32"),
+        *("--in-flight-output", "16"),
     ],
     ("dsv4", "bench"): [
         *("--repeats", "1", "--rounds", "1", "--batch-sizes", "1", "--threads", "1"),
-        *("--generate-prompts", "1", "--max-new-tokens", "2"),
+        *("--generate-prompts", "1", "--max-new-tokens", "2", "--max-model-len", "512"),
     ],
     ("python", "-m", "graphs.bench"): ["--rounds", "1", "--calls", "1", "--smallest-only"],
 }
@@ -62,8 +63,8 @@ def run_line(argv: list[str]) -> None:
 
 
 def test_smoke_options_shrink_what_they_match() -> None:
-    assert smoke(["dsv4", "bench", "--context-sweep"])[-2:] == ["--max-num-batched-tokens", "32"]
-    assert smoke(["dsv4", "bench", "--json"])[-2:] == ["--max-new-tokens", "2"]
+    assert smoke(["dsv4", "bench", "--context-sweep"])[-2:] == ["--in-flight-output", "16"]
+    assert smoke(["dsv4", "bench", "--json"])[-2:] == ["--max-model-len", "512"]
     assert smoke(["dsv4", "run"]) == ["dsv4", "run"]
 
 
