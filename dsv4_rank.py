@@ -1,13 +1,16 @@
 """The first moments of a rank process: it lives no longer than its parent, and a Ctrl-C is its
-parent's to handle. Imports nothing heavy, so a rank watches its parent before it spends
-seconds importing torch and the library.
+parent's to handle. Imports nothing heavy, so a rank that starts as a fresh interpreter
+(``launch_engine``'s, or a spawned one) watches its parent before it spends seconds importing
+torch and the library.
 
 - ``exit_with_parent``: a rank whose parent is gone (killed, crashed) exits within
   ``PARENT_POLL_S`` of it, instead of running on until a collective times out. A daemon thread
   watches the parent process id, so nothing the rank is doing (importing, a collective, a
   capture) has to cooperate.
 - ``run_rank``: a ``multiprocessing`` rank's entry (``runners.distributed.run_local``): watch the
-  parent, then unpickle the work (which imports the library) and run it.
+  process that started it (``multiprocessing``'s parent sentinel, a pipe that reads as closed
+  once it is gone: under a fork server the operating system's parent is the server, not it),
+  then unpickle the work (which imports whatever the rank has not imported yet) and run it.
 - ``children_ignore_ctrl_c``: a terminal's Ctrl-C reaches every process of the foreground
   group, so ranks started by ``multiprocessing`` would each print a ``KeyboardInterrupt``
   traceback (while importing torch, say). Started inside this block, they inherit SIGINT
@@ -18,6 +21,8 @@ seconds importing torch and the library.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import signal
@@ -51,10 +56,19 @@ def exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="dsv4-parent-watch", daemon=True).start()
 
 
-def run_rank(parent: int, work: bytes, *passed: Any) -> None:
-    """Watch ``parent``, then run the pickled ``(function, args)`` of ``work`` with ``passed``
-    appended (what must travel by ``multiprocessing`` itself, such as a queue)."""
-    exit_with_parent(parent)
+def run_rank(work: bytes, *passed: Any) -> None:
+    """Exit as soon as the process that started this one is gone; meanwhile run the pickled
+    ``(function, args)`` of ``work`` with ``passed`` appended (what must travel by
+    ``multiprocessing`` itself, such as a queue)."""
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        sentinel = parent.sentinel
+
+        def watch() -> None:
+            multiprocessing.connection.wait([sentinel])
+            os._exit(EXIT_PARENT_GONE)
+
+        threading.Thread(target=watch, name="dsv4-parent-watch", daemon=True).start()
     function, args = pickle.loads(work)
     function(*args, *passed)
 

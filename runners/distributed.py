@@ -19,7 +19,7 @@ Invariants of ``run_local``:
   the cause, not the peers that failed because they lost it (``_cause``).
 - A ``KeyboardInterrupt`` in the parent terminates every rank the same way and is re-raised;
   the ranks never see a terminal's Ctrl-C themselves (``dsv4_rank``), so it prints one line.
-- A rank whose parent is killed exits within ``dsv4_rank.PARENT_POLL_S``, importing or not.
+- A rank whose parent is killed exits at once (``dsv4_rank.run_rank`` watches it).
 - No worker outlives the call: each is joined, or killed and joined.
 - Collectives give up after ``COLLECTIVE_TIMEOUT`` (the process group's timeout), so a rank
   whose peer vanished unnoticed cannot wait forever.
@@ -171,12 +171,12 @@ def run_local(
 ) -> dict[str, Any]:
     """Run ``command(args)`` on ``size`` local ranks; return rank 0's payload (see the module
     docstring for what happens when a rank fails)."""
-    context = multiprocessing.get_context("spawn")
+    context = rank_context()
     results: Any = context.Queue()
     workers = [
         context.Process(
             target=run_rank,
-            args=(os.getpid(), pickle.dumps((_worker, (command, args, world, backend))), results),
+            args=(pickle.dumps((_worker, (command, args, world, backend))), results),
             name=f"dsv4-rank-{world.rank}",
         )
         for world in local_worlds(size)
@@ -188,6 +188,20 @@ def run_local(
         return _supervise(workers, results)
     finally:
         _stop(workers)
+
+
+def rank_context() -> Any:
+    """How local ranks start: from a fork server where the operating system has one (Linux,
+    macOS), else spawned. The server is a fresh process that imports the library once and forks
+    every rank from it, so a rank starts without importing torch again, and a process that runs
+    many parallel commands (a test session, the conformance kit) pays for one import; it never
+    runs model code itself, so what it forks holds no threads. A rank sees the environment the
+    server started with (the first parallel run's)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["runners"])
+    return context
 
 
 def _supervise(workers: list[Any], results: Any) -> dict[str, Any]:

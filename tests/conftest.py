@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,3 +72,29 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``dsv4 init-checkpoint --preset tiny --seed 0``, written once per session (per worker): the
+    built-in model's weights with the small byte-level BPE tokenizer. Read it; edit a copy
+    (``ckpt``)."""
+    from runners.cli.main import main
+
+    directory = tmp_path_factory.mktemp("tiny-seed-0") / "ckpt"
+    assert main(["init-checkpoint", str(directory), "--preset", "tiny", "--seed", "0"]) == 0
+    return directory
+
+
+@pytest.fixture
+def ckpt(tiny_checkpoint: Path, tmp_path: Path) -> Path:
+    """A private copy of ``tiny_checkpoint`` whose JSON files a test may edit (the weights are
+    links to the shared ones, which it must not change)."""
+    copy = tmp_path / "ckpt"
+    copy.mkdir()
+    for path in tiny_checkpoint.iterdir():
+        if path.suffix == ".safetensors":
+            (copy / path.name).symlink_to(path)
+        else:
+            (copy / path.name).write_bytes(path.read_bytes())
+    return copy

@@ -15,10 +15,10 @@ import ast
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +27,7 @@ from tests.readme.examples import all_blocks
 
 PACKAGE_FILES = ("mypkg/__init__.py", "pyproject.toml", "tests/test_mydev.py")
 KIT_SECONDS = 60.0
+"""What the kit may take in the package, in CPU seconds: a minute of work on a 2-core machine."""
 
 WRONG_CLAIMS = '''
 """Two wrong claims about the documented platform; the kit must refute each within a minute."""
@@ -119,12 +120,15 @@ def documented_package_files() -> dict[str, str]:
 
 
 def run(command: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str, str, float]:
-    """Run ``command``; return its exit code, stdout, all output (stdout, stderr) and seconds."""
-    start = time.perf_counter()
+    """Run ``command``; return its exit code, stdout, all output (stdout, stderr) and the CPU
+    seconds it (and every process it waited for) used: the work, whatever else shares the
+    machine, so a bound on it holds on a busy CI host."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run(
         command, env=env, cwd=cwd, capture_output=True, text=True, timeout=300, check=False
     )
-    seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    seconds = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return done.returncode, done.stdout, done.stdout + done.stderr, seconds
 
 
@@ -193,7 +197,7 @@ def test_the_kit_passes_in_the_package_within_a_minute(
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     code, _, output, seconds = run([*command, str(package / "tests")], env, tmp_path)
     assert code == 0 and re.search(r"\b\d+ passed\b", output), output
-    assert seconds < KIT_SECONDS, f"the kit took {seconds:.1f} s in the package:\n{output}"
+    assert seconds < KIT_SECONDS, f"the kit took {seconds:.1f} CPU s in the package:\n{output}"
 
 
 @pytest.mark.slow
@@ -207,7 +211,7 @@ def test_wrong_claims_fail_within_a_minute_naming_what_is_wrong(
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", select]
     code, _, output, seconds = run([*command, str(tmp_path / "wrong")], env, tmp_path)
     assert code == 1 and "2 failed" in output, output
-    assert seconds < KIT_SECONDS, f"refuting the claims took {seconds:.1f} s:\n{output}"
+    assert seconds < KIT_SECONDS, f"refuting the claims took {seconds:.1f} CPU s:\n{output}"
     # The flag: both values, the test's and the platform's.
     assert re.search(
         r"platform mydev: the test class says required_region = 'narrow', "
