@@ -26,7 +26,8 @@ Metadata is built from chunks: anything with a block-table ``row``, its ``block_
 ``start_position`` and ``num_tokens`` (the structural ``ChunkLike``), so the model knows nothing
 of the engine that schedules them.
 
-Two ways to build it, one per runner policy:
+Two ways to build it, one per runner policy, both staging host tensors (``stage_into``: pinned
+and non-blocking on a GPU, so a step never drains the stream to copy its metadata):
 - ``new_metadata``: fresh tensors every step (V1; not address-stable).
 - ``MetadataBuffers.write``: rewrite persistent buffers in place and return views of them (V2;
   address-stable, so captured work that reads them stays correct on replay). Host cost per step
@@ -154,17 +155,27 @@ def new_metadata(
     device: torch.device | str = "cpu",
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Build metadata as fresh tensors, ``max_blocks`` wide; also return the ``[T]``
-    positions."""
-    rows, slots, positions = _host_rows(chunks, num_tokens, block_size, max_blocks)
-    entry_blocks = entry_width(max_blocks, entry_rate)
-    metadata = AttentionMetadata(
-        token_request=torch.tensor(rows, dtype=torch.int64, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_table=_host_table(chunks, max_rows, max_blocks, entries=False).to(device),
-        block_size=block_size,
-        entry_table=_host_table(chunks, max_rows, entry_blocks, entries=True).to(device),
+    positions. Each is staged from a host tensor (``stage_into``), as ``MetadataBuffers``
+    stages: three copies a step, none of them from pageable memory."""
+    per_token = torch.tensor(
+        _host_rows(chunks, num_tokens, block_size, max_blocks), dtype=torch.int64
     )
-    return metadata, torch.tensor(positions, dtype=torch.int64, device=device)
+    tables = (
+        _host_table(chunks, max_rows, max_blocks, entries=False),
+        _host_table(chunks, max_rows, entry_width(max_blocks, entry_rate), entries=True),
+    )
+    staged = [torch.empty_like(host, device=device) for host in (per_token, *tables)]
+    for destination, host in zip(staged, (per_token, *tables), strict=True):
+        stage_into(destination, host)
+    rows, slots, positions = staged[0]
+    metadata = AttentionMetadata(
+        token_request=rows,
+        slot_mapping=slots,
+        block_table=staged[1],
+        block_size=block_size,
+        entry_table=staged[2],
+    )
+    return metadata, positions
 
 
 def stage_into(destination: torch.Tensor, host: torch.Tensor) -> None:

@@ -10,7 +10,8 @@ on both sides at ``swiglu_limit``.
 Experts run without data-dependent shapes or host syncs, so the MoE can be captured, in one of
 two static formulations chosen from the shapes (a host-constant decision, frozen per captured
 size): when ``E <= 2 * T * k`` every expert runs on every token (reading each expert's weights
-once costs no more than copying the chosen ones) and the chosen outputs are gathered; otherwise
+once costs no more than copying the chosen ones) and the chosen outputs are gathered, a bounded
+chunk of experts at a time (``DENSE_CHUNK_BYTES``); otherwise
 each token runs on its gathered expert weights (``[T, k, ...]``). Either way the chosen outputs
 are weighted and summed over the ``k`` slots the same way. It is a reference formulation, not a
 fast grouped-GEMM kernel.
@@ -33,7 +34,14 @@ from dsv4.config import DeepseekV4Config
 from dsv4.layers import as_dtype, read_rows
 from dsv4.parallel import SINGLE, TensorParallel
 
-__all__ = ["ExpertFormulations", "Experts", "MoE", "SharedExpert", "local_choice"]
+__all__ = [
+    "DENSE_CHUNK_BYTES",
+    "ExpertFormulations",
+    "Experts",
+    "MoE",
+    "SharedExpert",
+    "local_choice",
+]
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -52,25 +60,37 @@ class SharedExpert(nn.Module):
         return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
+DENSE_CHUNK_BYTES = 256 << 20
+"""What the every-expert formulation may hold per chunk of experts, about: their weights in
+float32 three times over (while a weight-only stack dequantizes: its values, its scales
+expanded to them, their products) and their activations for every token. At the published
+sizes one expert already takes ~0.5 GiB, so each runs alone; whole stacks dequantized at once
+took ~24 GiB per call."""
+
+
 class ExpertFormulations(nn.Module):
     """The two static formulations of routed SwiGLU experts over stacked weights
     ``gate_up [E, 2I, hidden]`` (gate rows first) and ``down [E, hidden, I]``.
 
-    A subclass says how its weights are read: ``_stacks()`` gives both whole stacks (the
-    every-expert formulation), ``_chosen_rows(experts)`` the chosen experts' rows
-    ``[T, k, ...]`` (the gathered formulation); ``limit`` is the SwiGLU clamp. Plain and
-    quantized experts share every other line, so they compute the same way by construction.
+    A subclass says how its weights are read: ``_stacks(start, stop)`` gives both stacks of
+    experts ``start:stop`` in the compute dtype (the every-expert formulation, a chunk at a
+    time), ``_chosen_rows(experts)`` the chosen experts' rows ``[T, k, ...]`` (the gathered
+    formulation); ``limit`` is the SwiGLU clamp. Plain and quantized experts share every other
+    line, so they compute the same way by construction.
     """
 
     limit: float
+    dense_chunk_bytes: int = DENSE_CHUNK_BYTES
+    """Bytes per chunk of experts of the every-expert formulation (``DENSE_CHUNK_BYTES``)."""
 
-    def _stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _stacks(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _stack_shape(self) -> tuple[int, int, int]:
+        """``(E, 2I, hidden)``."""
         raise NotImplementedError
 
     def _chosen_rows(self, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
-
-    def _num_experts(self) -> int:
         raise NotImplementedError
 
     def forward(
@@ -78,7 +98,7 @@ class ExpertFormulations(nn.Module):
     ) -> torch.Tensor:
         """``x [T, hidden]``, chosen ``experts [T, k]`` and their ``weights`` -> ``[T, hidden]``."""
         tokens, k = experts.shape
-        if self._num_experts() <= 2 * tokens * k:
+        if self._stack_shape()[0] <= 2 * tokens * k:
             out = self._chosen_of_all(x, experts)
         else:
             out = self._on_gathered_weights(x, experts)
@@ -87,18 +107,48 @@ class ExpertFormulations(nn.Module):
     def _chosen_of_all(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, then each token's chosen outputs ``[T, k, hidden]``.
 
-        Expert-major: the weights are the left operand (``W @ x^T``, ``[E, rows, T]``), so each
-        weight row streams once against all ``T`` tokens; with MKL on a CPU this also picks a
-        faster kernel than ``x @ W^T`` once ``E * 2I`` is in the thousands.
+        Experts run a chunk at a time (``_experts_per_chunk``), each chunk's chosen outputs
+        taken where a token chose one of its experts: every slot is one chunk's, so the result
+        is the whole stack's, value for value, and a weight-only stack is only ever dequantized
+        a chunk at a time. Expert-major: the weights are the left operand (``W @ x^T``,
+        ``[C, rows, T]``), so each weight row streams once against all ``T`` tokens; with MKL
+        on a CPU this also picks a faster kernel than ``x @ W^T`` once ``C * 2I`` is in the
+        thousands.
         """
-        gate_up_stack, down_stack = self._stacks()
-        num_experts, double_inter, hidden_size = gate_up_stack.shape
+        num_experts = self._stack_shape()[0]
+        step = self._experts_per_chunk(x.shape[0])
+        if step >= num_experts:
+            return self._chunk_outputs(x, experts, 0, num_experts)
+        chosen = self._chunk_outputs(x, (experts).clamp(0, step - 1), 0, step)
+        for start in range(step, num_experts, step):
+            stop = min(start + step, num_experts)
+            local = (experts - start).clamp(0, stop - start - 1)
+            mine = ((experts >= start) & (experts < stop)).unsqueeze(-1)
+            chosen = torch.where(mine, self._chunk_outputs(x, local, start, stop), chosen)
+        return chosen
+
+    def _chunk_outputs(
+        self, x: torch.Tensor, local: torch.Tensor, start: int, stop: int
+    ) -> torch.Tensor:
+        """Experts ``start:stop`` on every token, gathered at ``local`` (indices into the
+        chunk) ``[T, k, hidden]``; its temporaries go when it returns."""
+        _, double_inter, hidden_size = self._stack_shape()
+        gate_up_stack, down_stack = self._stacks(start, stop)
         gate_up = torch.mm(gate_up_stack.flatten(0, 1), x.t())
-        gate, up = gate_up.view(num_experts, double_inter, -1).chunk(2, dim=1)
-        hidden = _swiglu(gate, up, self.limit)  # [E, I, T]
-        out = torch.bmm(down_stack, hidden)  # [E, hidden, T]
-        index = experts.unsqueeze(-1).expand(*experts.shape, hidden_size)
+        gate, up = gate_up.view(stop - start, double_inter, -1).chunk(2, dim=1)
+        hidden = _swiglu(gate, up, self.limit)  # [C, I, T]
+        out = torch.bmm(down_stack, hidden)  # [C, hidden, T]
+        index = local.unsqueeze(-1).expand(*local.shape, hidden_size)
         return out.permute(2, 0, 1).gather(1, index)
+
+    def _experts_per_chunk(self, tokens: int) -> int:
+        """Experts whose float32 weights (three times, see ``DENSE_CHUNK_BYTES``) and
+        activations for ``tokens`` tokens fit ``dense_chunk_bytes`` (at least one)."""
+        num_experts, double_inter, hidden_size = self._stack_shape()
+        weights = 3 * double_inter * hidden_size // 2  # gate_up and down of one expert
+        activations = (2 * double_inter + hidden_size) * tokens
+        per_expert = 4 * (3 * weights + activations)
+        return max(1, min(num_experts, self.dense_chunk_bytes // per_expert))
 
     def _on_gathered_weights(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Each token on its chosen experts' gathered weights: ``[T, k, hidden]``."""
@@ -126,11 +176,12 @@ class Experts(ExpertFormulations):
         nn.init.zeros_(self.gate_up_proj)
         nn.init.zeros_(self.down_proj)
 
-    def _num_experts(self) -> int:
-        return self.gate_up_proj.shape[0]
+    def _stack_shape(self) -> tuple[int, int, int]:
+        num_experts, double_inter, hidden_size = self.gate_up_proj.shape
+        return num_experts, double_inter, hidden_size
 
-    def _stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.gate_up_proj, self.down_proj
+    def _stacks(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate_up_proj[start:stop], self.down_proj[start:stop]
 
     def _chosen_rows(self, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return read_rows(self.gate_up_proj, experts), read_rows(self.down_proj, experts)

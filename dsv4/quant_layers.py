@@ -9,9 +9,10 @@ load), and each module's output equals the plain module's with those weights, bi
 - ``QuantizedLinear``: ``nn.Linear(bias=False)``'s forward;
 - ``QuantizedGroupedLinear``: ``dsv4.layers.GroupedLinear``'s forward;
 - ``QuantizedExperts``: ``dsv4.moe.Experts``'s forward (the same two static formulations, the
-  same host-constant choice between them); the gathered formulation dequantizes only the chosen
-  experts' rows (``QuantizedExpertStack.rows``: one ``index_select`` on the bytes and one on the
-  scales).
+  same host-constant choice between them); the every-expert formulation dequantizes a bounded
+  chunk of experts at a time (``QuantizedExpertStack.experts``), the gathered one only the
+  chosen experts' rows (``QuantizedExpertStack.rows``: one ``index_select`` on the bytes and one
+  on the scales).
 
 ``install_weight_only`` swaps these modules into a built model in place of the plain ones.
 
@@ -147,6 +148,12 @@ class QuantizedExpertStack(_Resident):
         """Every expert's weight ``[E, P*out_p, in]`` in the compute dtype."""
         return super().dequantized().view(self.shape)
 
+    def experts(self, start: int, stop: int) -> torch.Tensor:
+        """Experts ``start:stop``'s weights in the compute dtype: ``dequantized()[start:stop]``,
+        dequantizing only their bytes."""
+        values = self._values(self.weight[start:stop], self.weight_scale_inv[start:stop])
+        return values.view(stop - start, *self.shape[1:])
+
     def rows(self, experts: torch.Tensor) -> torch.Tensor:
         """The chosen experts' weights ``[*experts.shape, P*out_p, in]`` (``index_select`` of
         their bytes and scales, then dequantized): ``dequantized()[experts]``."""
@@ -184,11 +191,12 @@ class QuantizedExperts(ExpertFormulations):
         self.gate_up_proj = gate_up_proj
         self.down_proj = down_proj
 
-    def _num_experts(self) -> int:
-        return self.gate_up_proj.shape[0]
+    def _stack_shape(self) -> tuple[int, int, int]:
+        num_experts, double_inter, hidden_size = self.gate_up_proj.shape
+        return num_experts, double_inter, hidden_size
 
-    def _stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.gate_up_proj.dequantized(), self.down_proj.dequantized()
+    def _stacks(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate_up_proj.experts(start, stop), self.down_proj.experts(start, stop)
 
     def _chosen_rows(self, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.gate_up_proj.rows(experts), self.down_proj.rows(experts)

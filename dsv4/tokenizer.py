@@ -158,12 +158,18 @@ class CheckpointTokenizer:
         """The chat template rendered for one user message ``text``, ready for a reply.
 
         Raises ``TokenizerError`` when there is no template or it fails."""
+        return self.render_messages([{"role": "user", "content": text}])
+
+    def render_messages(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """The chat template rendered for a conversation, ready for the assistant's reply
+        (``add_generation_prompt``). Raises ``TokenizerError`` when there is no template or it
+        fails."""
         if self.chat_template is None:
             raise TokenizerError(f"{self.directory / TOKENIZER_CONFIG_FILE} has no chat_template")
         try:
             return render_chat_template(
                 self.chat_template,
-                [{"role": "user", "content": text}],
+                messages,
                 add_generation_prompt=True,
                 special_tokens=self.special_tokens,
             )
@@ -172,7 +178,13 @@ class CheckpointTokenizer:
 
     def encode_chat(self, text: str) -> list[int]:
         """``render_chat(text)`` as token ids (no special tokens added: the template has them)."""
-        return list(self.tokenizer.encode(self.render_chat(text), add_special_tokens=False).ids)
+        return self.encode_messages([{"role": "user", "content": text}])
+
+    def encode_messages(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """``render_messages(messages)`` as token ids, as ``apply_chat_template(messages,
+        add_generation_prompt=True, tokenize=True)``."""
+        rendered = self.render_messages(messages)
+        return list(self.tokenizer.encode(rendered, add_special_tokens=False).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of ``ids``, special tokens and unknown ids skipped."""

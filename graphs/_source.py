@@ -41,10 +41,11 @@ def _user_frame(frame: FrameType | None) -> FrameType | None:
     return frame
 
 
-def user_location() -> str:
+def user_location(depth: int = 1) -> str:
     """``path:line in function: source`` of the innermost frame outside torch and graphs, then
-    ``(called from …)`` with its caller's, when that is outside them too."""
-    frame = _user_frame(sys._getframe(1))
+    ``(called from …)`` with its caller's, when that is outside them too. The search starts
+    ``depth`` frames up from this call (2: above the caller, itself machinery)."""
+    frame = _user_frame(sys._getframe(depth))
     if frame is None:
         return "<unknown location>"
     caller = frame.f_back

@@ -51,6 +51,10 @@ class AllocationSites:
             self._sites = {k: v for k, v in self._sites.items() if not v[0].expired()}
             self._prune_at = max(1024, 2 * len(self._sites))
 
+    def discard(self, tensor: torch.Tensor) -> None:
+        """Forget ``tensor``'s storage (if it was added)."""
+        self._sites.pop(storage_key(tensor), None)
+
     def site_of(self, tensor: torch.Tensor) -> str | None:
         entry = self._sites.get(storage_key(tensor))
         return None if entry is None else entry[1]

@@ -10,9 +10,10 @@ What every backend shares with CUDA graphs (DESIGN §4):
 - Recording is not execution: right after ``end_segment`` the memory the segment produced holds
   junk (stale pool bytes on CUDA, NaN or an out-of-range integer on the tape) until the segment
   is replayed, and memory it wrote from outside still holds what it held before.
-- A pool outlives none of its graphs' uses: once every graph recorded into a pool is gone, the
-  pool is *retired* and never recorded into again (``PoolGraphs``); ``begin_segment`` raises
-  ``CaptureError`` for a retired pool on every backend.
+- A pool outlives none of its graphs' uses: every segment begun takes a use of the pool, also
+  one that records nothing, and once every use is given back the pool is *retired* and never
+  recorded into again (``PoolGraphs``); ``begin_segment`` raises ``CaptureError`` for a retired
+  pool on every backend.
 - A failed ``begin_segment``, ``end_segment`` or ``abort_segment`` leaves the backend not
   recording (and, on CUDA, the caller's stream current), so the next attempt can begin.
 """
@@ -27,29 +28,41 @@ from typing_extensions import Protocol, runtime_checkable
 
 from graphs.errors import CaptureError
 
-__all__ = ["GraphBackend", "GraphSegment", "PoolGraphs"]
+__all__ = ["GraphBackend", "GraphSegment", "PoolGraphs", "PoolUse"]
+
+
+class PoolUse:
+    """One graph's use of a memory pool, held by whatever holds the graph: it is given back when
+    that goes (a CUDA graph's destructor gives back the use ``capture_begin`` took)."""
+
+    __slots__ = ("__weakref__",)
 
 
 class PoolGraphs:
-    """The graphs recorded into one memory pool, to tell when the pool is retired.
+    """The uses of one memory pool by graphs, to tell when the pool is retired.
 
-    Invariant: ``retired`` is true once at least one graph was recorded and none is alive any
-    more. CUDA's allocator asserts when a capture reuses such a pool while a block still lives in
-    it (``use_count > 0``); every backend refuses it outright, so the CPU shows the same error.
+    As on CUDA, every segment begun takes a use (``take``), also one that records nothing, and
+    the use is given back when the ``PoolUse`` goes (with its graph).
+
+    Invariant: ``retired`` is true once at least one use was taken and none is held any more.
+    CUDA's allocator asserts when a capture reuses such a pool (``use_count > 0``); every backend
+    refuses it outright, so the CPU shows the same error.
     """
 
     def __init__(self) -> None:
-        self._live: weakref.WeakSet[Any] = weakref.WeakSet()
-        self._recorded = 0
+        self._live: weakref.WeakSet[PoolUse] = weakref.WeakSet()
+        self._taken = 0
 
-    def add(self, graph: Any) -> None:
-        """Note ``graph`` (weakly) as recorded into this pool."""
-        self._live.add(graph)
-        self._recorded += 1
+    def take(self) -> PoolUse:
+        """A new use of this pool, held (strongly) by the graph that takes it."""
+        use = PoolUse()
+        self._live.add(use)
+        self._taken += 1
+        return use
 
     @property
     def retired(self) -> bool:
-        return self._recorded > 0 and not self._live
+        return self._taken > 0 and not self._live
 
     @property
     def num_live(self) -> int:
@@ -59,7 +72,7 @@ class PoolGraphs:
         """Raise ``CaptureError`` if the pool is retired."""
         if self.retired:
             raise CaptureError(
-                f"this memory pool is retired: all {self._recorded} graph(s) recorded into it "
+                f"this memory pool is retired: all {self._taken} graph(s) recorded into it "
                 "are gone, and a pool is never recorded into again once its graphs are gone "
                 "(CUDA asserts use_count > 0); record into a fresh pool (a new backend)"
             )

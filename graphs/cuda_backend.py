@@ -7,16 +7,24 @@ Invariants:
   allocator would assert ``use_count > 0`` if a block still lived in it.
 - Segments are captured on a side stream of the backend's device; ``warm_up`` runs eager work on
   that same stream first, so library workspaces created lazily per (handle, stream) — cuBLAS's,
-  hipBLASLt's — are created outside every graph's pool. A segment that issued no ATen op is
-  dropped instead of becoming an empty CUDA graph.
+  hipBLASLt's — are created outside every graph's pool; the activations it freed are then
+  released (they stay cached for the side stream otherwise, memory no capture plan sees).
+- A segment that issued no ATen op is not a segment of the capture, but its graph is kept as
+  long as the backend: its ``capture_begin`` took a use of the pool that its destructor would
+  give back, and if it was the pool's first graph (a capture that begins with an eager break)
+  the pool would be left at zero uses and the next ``capture_begin`` would assert
+  (``use_count > 0``).
 - ``begin_segment``, ``end_segment`` and ``abort_segment`` are exception-safe: the backend's
   state is stored only once capture has begun, and the caller's stream is current again after
   any of them, whatever raised.
-- Eager-segment tensor arguments that a segment of this backend produced live in the graph pool,
-  which keeps them reserved for replay: they are held by non-owning aliases, built once at
-  capture, so holding them does not keep pool blocks allocated. Every other argument is held
-  strongly, so none can dangle (the capture audit reports such arguments all the same: replay
-  would re-run the break on their capture-time value).
+- Eager-segment tensor arguments whose storage a segment of this backend allocated live in the
+  graph pool, which keeps them reserved for replay: they are held by non-owning aliases, built
+  once at capture, so holding them does not keep pool blocks allocated. Storages are told by
+  identity, held weakly (an entry dies with its storage, so a later allocation at the same
+  address is not mistaken for one), and only new allocations count: an in-place output or a
+  view of outside memory is outside memory. Every other argument is held strongly, so none can
+  dangle (the capture audit reports such arguments all the same: replay would re-run the break
+  on their capture-time value).
 """
 
 from __future__ import annotations
@@ -28,8 +36,9 @@ import attrs
 import torch
 
 from graphs._ops import QuietDispatchMode
-from graphs._tensor_refs import map_tensors, tensors_of
-from graphs.backend import PoolGraphs
+from graphs._tensor_refs import map_tensors
+from graphs.allocations import AllocationSites, new_allocations
+from graphs.backend import PoolGraphs, PoolUse
 from graphs.errors import BackendUnavailableError, CaptureError
 
 __all__ = ["CudaGraphBackend", "CudaGraphPool", "CudaGraphSegment"]
@@ -52,9 +61,10 @@ class CudaGraphPool:
 
 
 class _SegmentWatch(QuietDispatchMode):
-    """Counts the ATen ops a segment issues and notes the storages their outputs live in."""
+    """Counts the ATen ops a segment issues and notes, by storage identity, the storages they
+    allocate (outputs no input shares: not in-place outputs, not views of outside memory)."""
 
-    def __init__(self, produced: set[int]) -> None:
+    def __init__(self, produced: AllocationSites) -> None:
         super().__init__()
         self.count = 0
         self.produced = produced
@@ -64,8 +74,8 @@ class _SegmentWatch(QuietDispatchMode):
     ) -> Any:
         self.count += 1
         result = func(*args, **kwargs)
-        for t in tensors_of(result):
-            self.produced.add(t.untyped_storage().data_ptr())
+        for t in new_allocations(func, args, kwargs, result):
+            self.produced.add(t, str(func))
         return result
 
 
@@ -74,6 +84,8 @@ class CudaGraphSegment:
     """One captured CUDA graph."""
 
     graph: torch.cuda.CUDAGraph
+    use: PoolUse
+    """The pool use the graph's ``capture_begin`` took (given back with it)."""
 
     def replay(self) -> None:
         self.graph.replay()
@@ -106,9 +118,12 @@ class CudaGraphBackend:
         self.device = torch.device(device)
         self._pool = pool if pool is not None else CudaGraphPool()
         self._stream = torch.cuda.Stream(device=self.device)
-        self._produced: set[int] = set()
-        """Data pointers of storages this backend's segments produced (all in its pool)."""
-        self._recording: tuple[torch.cuda.CUDAGraph, Any, _SegmentWatch] | None = None
+        self._produced = AllocationSites()
+        """Storages this backend's segments allocated (all in its pool), held weakly."""
+        self._recording: tuple[torch.cuda.CUDAGraph, Any, _SegmentWatch, PoolUse] | None = None
+        self._empty: list[tuple[torch.cuda.CUDAGraph, PoolUse]] = []
+        """Graphs that recorded nothing: kept, since each holds a use of the pool (see the
+        module docstring)."""
 
     @property
     def pool(self) -> CudaGraphPool:
@@ -121,6 +136,9 @@ class CudaGraphBackend:
             fn()
         caller.wait_stream(self._stream)
         torch.cuda.synchronize(self.device)
+        # fn's activations, freed, stay cached for the side stream (the caching allocator keeps
+        # blocks per stream), where neither the graph pool nor the main stream can reuse them
+        torch.cuda.empty_cache()
 
     def begin_segment(self) -> None:
         if self._recording is not None:
@@ -137,15 +155,14 @@ class CudaGraphBackend:
             raise
         watch = _SegmentWatch(self._produced)
         watch.__enter__()
-        self._recording = (graph, stream, watch)
+        self._recording = (graph, stream, watch, self._pool.graphs.take())
 
     def end_segment(self) -> CudaGraphSegment | None:
-        graph, issued = self._stop(aborting=False)
+        graph, use, issued = self._stop(aborting=False)
         if not issued:
+            self._empty.append((graph, use))
             return None
-        segment = CudaGraphSegment(graph)
-        self._pool.graphs.add(segment)
-        return segment
+        return CudaGraphSegment(graph, use)
 
     def abort_segment(self) -> None:
         if self._recording is not None:
@@ -157,14 +174,14 @@ class CudaGraphBackend:
         return map_tensors(value, self._hold_tensor)
 
     def _hold_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.is_cuda and tensor.untyped_storage().data_ptr() in self._produced:
+        if tensor.is_cuda and self._produced.site_of(tensor) is not None:
             return _non_owning_alias(tensor)
         return tensor
 
-    def _stop(self, *, aborting: bool) -> tuple[torch.cuda.CUDAGraph, bool]:
+    def _stop(self, *, aborting: bool) -> tuple[torch.cuda.CUDAGraph, PoolUse, bool]:
         if self._recording is None:
             raise CaptureError("no CUDA graph segment is recording on this backend")
-        graph, stream, watch = self._recording
+        graph, stream, watch, use = self._recording
         self._recording = None
         try:
             watch.__exit__(None, None, None)
@@ -176,7 +193,7 @@ class CudaGraphBackend:
                 # an aborted capture may be invalidated already; ending it is all that matters
         finally:
             stream.__exit__(None, None, None)
-        return graph, watch.count > 0
+        return graph, use, watch.count > 0
 
     def __repr__(self) -> str:
         return f"CudaGraphBackend(device={self.device}, pool={self._pool!r})"

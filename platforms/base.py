@@ -137,6 +137,16 @@ class Platform(abc.ABC):
     def create_graph_backend(self, pool: Any) -> GraphBackend:
         """Create a graph backend that records into ``pool``."""
 
+    def device_count(self) -> int | None:
+        """Devices of this platform on this machine, for local ranks to take one each; ``None``
+        where ranks share the device (the CPU: any number of processes). The default asks
+        torch's module for ``device_type`` (``torch.cuda.device_count()``), 0 when unavailable."""
+        if self.device_type == "cpu":
+            return None
+        if not self.is_available():
+            return 0
+        return int(torch.get_device_module(self.device_type).device_count())
+
     # -- what runs on the device part --------------------------------------------------------------
     @property
     def device(self) -> torch.device:

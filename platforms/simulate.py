@@ -45,6 +45,7 @@ class SimulatedPlatform(Platform):
     create_memory_pool = CpuPlatform.create_memory_pool
     create_graph_backend = CpuPlatform.create_graph_backend
     device = Platform.device
+    device_count = Platform.device_count
     graph_backend = Platform.graph_backend
     require_available = Platform.require_available
     unsupported_dtype_reason = Platform.unsupported_dtype_reason

@@ -21,15 +21,20 @@ Invariants:
   address-stable (V2) or read eagerly (V1's wide region). The capture audit checks exactly that.
 - The runner's graphs share one backend and its memory pool; the pool is fresh per runner, and
   the runner takes a new backend (a fresh pool) whenever its pool is retired — after
-  ``clear_graphs`` or a failed first capture — since a pool is never recorded into again once
-  its graphs are gone. Within a context bucket, graphs are captured largest size first (also
-  when captured lazily), so smaller captures reuse the pool memory of larger ones; ``capture``
-  takes the buckets it holds largest first too.
+  ``clear_graphs`` — since a pool is never recorded into again once its graphs are gone, and
+  after any failed capture, whatever failed (its graphs captured before keep the old one).
+  Within a context bucket, graphs are captured largest size first (also when captured lazily),
+  so smaller captures reuse the pool memory of larger ones; ``capture`` takes the buckets it
+  holds largest first too.
 - Graphs are held for at most ``max_graph_contexts`` context buckets (the smallest ones when
   captured ahead of time, otherwise the first ones used); a step in any other bucket runs
   eagerly at its exact width, so its cost still follows its actual context.
 - Host inputs reach the device through ``stage_into`` (pinned, non-blocking on a GPU).
-- FULL graphs serve uniform-decode batches only; mixed batches never run under FULL.
+- The model's forward and captures run as device work (``platforms.host_tensors.device_work``):
+  a simulated GPU run's host-tensor tracking stands aside there.
+- FULL graphs serve uniform-decode batches only; mixed batches never run under FULL. So FULL
+  graphs are captured only for the sizes a batch of at most ``layout.max_rows`` tokens (one per
+  request in flight) pads to (``CaptureSizes.serving``); above them one could never replay.
 - Subclasses differ only in how metadata is built (``_write_metadata``) and which metadata memory
   is static (``_static_metadata``); the region each requires is a class attribute.
 - What the engine may schedule is one value, ``limits`` (``EngineLimits``), fixed at construction.
@@ -54,6 +59,7 @@ from graphs.backend import GraphBackend, PoolGraphs
 from graphs.forward_context import ForwardContext, forward_context
 from graphs.strategies import EagerRegionStrategy
 from platforms.base import Platform
+from platforms.host_tensors import device_work
 from runners.batch import (
     DEFAULT_CAPTURE_SIZES,
     DEFAULT_FIRST_CONTEXT_BUCKET,
@@ -208,7 +214,7 @@ class ModelRunner(abc.ABC):
         ctx = self._context(self._write_metadata(chunks, padded, width))
         ends = torch.empty(len(chunks), dtype=torch.int64, device=self.device)
         stage_into(ends, torch.tensor(_last_token_indices(chunks), dtype=torch.int64))
-        with forward_context(ctx), torch.inference_mode():
+        with forward_context(ctx), torch.inference_mode(), device_work():
             if graph is None:
                 logits = self.model(self.input_ids[:padded], self.positions[:padded])
             else:
@@ -236,7 +242,7 @@ class ModelRunner(abc.ABC):
             for size in self.capture_sizes.largest_first():
                 for mode in dict.fromkeys(modes):
                     key = GraphKey(mode, size, width)
-                    if key in self._graphs:
+                    if key in self._graphs or size not in self._sizes(mode):
                         continue
                     start = time.perf_counter()
                     self._graph(key)
@@ -299,27 +305,41 @@ class ModelRunner(abc.ABC):
             held = self._held_widths()
             if key.width not in held and len(held) >= self.max_graph_contexts:
                 return None
-            for larger in self.capture_sizes.largest_first():
+            for larger in reversed(self._sizes(key.mode)):
                 bigger = key._replace(num_tokens=larger)
                 if larger >= key.num_tokens and bigger not in self._graphs:
                     self._graphs[bigger] = self._capture(bigger)
         return self._graphs[key]
+
+    def _sizes(self, mode: CUDAGraphMode) -> tuple[int, ...]:
+        """The sizes graphs of ``mode`` are captured for: FULL serves uniform-decode batches,
+        at most one token per block-table row, so only the sizes those pad to."""
+        if mode is CUDAGraphMode.FULL:
+            return self.capture_sizes.serving(self.layout.max_rows)
+        return self.capture_sizes.sizes
 
     def _capture(self, key: GraphKey) -> CapturedGraph:
         graphs = getattr(self._backend.pool, "graphs", None)
         if isinstance(graphs, PoolGraphs) and graphs.retired:
             self._backend = self.platform.graph_backend()
         size = key.num_tokens
-        return capture_step(
-            self.model,
-            key=key,
-            input_ids=self.input_ids[:size],
-            positions=self.positions[:size],
-            dummy_context=lambda: self._context(self._write_metadata((), size, key.width)),
-            backend=self._backend,
-            static=self.static_memory,
-            audit=self.audit,
-        )
+        try:
+            with device_work():
+                return capture_step(
+                    self.model,
+                    key=key,
+                    input_ids=self.input_ids[:size],
+                    positions=self.positions[:size],
+                    dummy_context=lambda: self._context(self._write_metadata((), size, key.width)),
+                    backend=self._backend,
+                    static=self.static_memory,
+                    audit=self.audit,
+                )
+        except BaseException:
+            # whatever failed, the backend's stream and pool may be left in any state (on CUDA
+            # an invalidated capture, blocks it allocated): the next capture takes fresh ones
+            self._backend = self.platform.graph_backend()
+            raise
 
     def _validate(
         self, chunks: Sequence[ScheduledChunk], token_ids: Sequence[Sequence[int]]

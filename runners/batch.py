@@ -87,6 +87,13 @@ class CaptureSizes:
         index = bisect.bisect_left(self.sizes, num_tokens)
         return self.sizes[index] if index < len(self.sizes) else None
 
+    def serving(self, num_tokens: int) -> tuple[int, ...]:
+        """The sizes a batch of at most ``num_tokens`` tokens is padded to (ascending): every
+        size up to the one ``num_tokens`` pads to (FULL graphs serve uniform-decode batches,
+        at most one token per request in flight, so a FULL size above that never replays)."""
+        padded = self.padded(num_tokens)
+        return self.sizes if padded is None else self.sizes[: self.sizes.index(padded) + 1]
+
 
 class _Span(Protocol):
     @property

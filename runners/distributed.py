@@ -45,7 +45,14 @@ import torch
 import torch.distributed as dist
 
 from dsv4_rank import children_ignore_ctrl_c, run_rank
-from platforms import Platform
+from platforms import Platform, SimulatedPlatform
+from platforms.device_only_group import (
+    DEVICE_ONLY_GLOO,
+    register_device_only_backend,
+    serves_host_tensors,
+)
+from platforms.host_tensors import HostTensors
+from runners.errors import DeviceCountError
 
 __all__ = [
     "COLLECTIVE_TIMEOUT",
@@ -53,12 +60,15 @@ __all__ = [
     "RankFailedError",
     "World",
     "cause_of",
+    "check_local_devices",
     "execute_ranked",
     "exit_reason",
     "local_worlds",
+    "on_the_cpu",
     "one_line",
     "process_group",
     "process_group_backend",
+    "rank_device",
     "run_local",
     "share_threads",
     "silence",
@@ -91,11 +101,39 @@ class World:
 
 
 def process_group_backend(platform: Platform) -> str:
-    """The process-group backend ranks running on ``platform`` use: ``gloo`` where it runs on
-    the CPU (the CPU itself, a simulated platform, or one not available here), else the
-    platform's own (``Platform.distributed_backend``)."""
-    runs_on_cpu = platform.device.type == "cpu" or not platform.is_available()
-    return "gloo" if runs_on_cpu else platform.distributed_backend
+    """The process-group backend ranks running on ``platform`` use: the platform's own
+    (``Platform.distributed_backend``) on its device; where it runs on the CPU (the CPU itself,
+    a simulated platform, or one not available here) ``gloo`` — refusing host tensors as the
+    real backend does (``DEVICE_ONLY_GLOO``) when that serves device tensors only (NCCL)."""
+    if platform.device.type != "cpu" and platform.is_available():
+        return platform.distributed_backend
+    real = platform.platform if isinstance(platform, SimulatedPlatform) else platform
+    return "gloo" if serves_host_tensors(real.distributed_backend) else DEVICE_ONLY_GLOO
+
+
+def check_local_devices(platform: Platform, size: int) -> None:
+    """Raise ``DeviceCountError`` when ``size`` local ranks on ``platform`` would need more
+    devices than it has here (each local rank takes one); a platform whose ranks share the
+    device (the CPU, a simulated one) or that is not available here is not refused."""
+    count = platform.device_count()
+    if count is None or size <= count or not platform.is_available():
+        return
+    raise DeviceCountError(
+        f"tensor-parallel size {size} needs {size} {platform.device_type} devices, one per local "
+        f"rank, and platform {platform.name} has {count} on this machine; use at most {count} "
+        "(or torchrun across machines)"
+    )
+
+
+def rank_device(world: World, backend: str) -> torch.device:
+    """The device a rank of ``world`` on ``backend`` holds the tensors of its collectives on:
+    the GPU of its local rank under ``nccl`` (which serves nothing else), else the CPU."""
+    return torch.device("cuda", world.local_rank) if backend == "nccl" else torch.device("cpu")
+
+
+def on_the_cpu(backend: str) -> bool:
+    """Whether ranks on ``backend`` run on the CPU (``gloo``, plain or device-only)."""
+    return backend in ("gloo", DEVICE_ONLY_GLOO)
 
 
 def local_worlds(size: int) -> list[World]:
@@ -125,23 +163,32 @@ def process_group(world: World, backend: str) -> Iterator[None]:
     """Join ``world``'s default process group on ``backend`` and share one sampling seed (rank
     0's) with every rank; leave the group on exit. Under ``nccl`` each rank first takes the GPU
     of its local rank (NCCL needs one device per rank; the platform's ``cuda`` device is then
-    that one)."""
+    that one). Under ``DEVICE_ONLY_GLOO`` the body runs under the rank's ``HostTensors``, which
+    the group asks where each tensor would live on the GPU."""
+    host = HostTensors()
     if backend == "nccl":
         torch.cuda.set_device(world.local_rank)
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{world.master_addr}:{world.master_port}",
-        rank=world.rank,
-        world_size=world.size,
-        timeout=COLLECTIVE_TIMEOUT,
-    )
-    try:
-        seed = torch.tensor([torch.seed() % 2**62 if world.rank == 0 else 0], dtype=torch.int64)
-        dist.broadcast(seed, src=0)
-        torch.manual_seed(int(seed.item()))
-        yield
-    finally:
-        dist.destroy_process_group()
+    elif backend == DEVICE_ONLY_GLOO:
+        register_device_only_backend(host)
+    with host if backend == DEVICE_ONLY_GLOO else contextlib.nullcontext():
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{world.master_addr}:{world.master_port}",
+            rank=world.rank,
+            world_size=world.size,
+            timeout=COLLECTIVE_TIMEOUT,
+        )
+        try:
+            seed = torch.tensor(
+                [torch.seed() % 2**62 if world.rank == 0 else 0],
+                dtype=torch.int64,
+                device=rank_device(world, backend),
+            )
+            dist.broadcast(seed, src=0)
+            torch.manual_seed(int(seed.item()))
+            yield
+        finally:
+            dist.destroy_process_group()
 
 
 def execute_ranked(
@@ -277,7 +324,7 @@ def _worker(
     error, as one line)."""
     if world.rank != 0:
         silence()
-    if backend == "gloo":
+    if on_the_cpu(backend):
         share_threads(world.size)
     try:
         with process_group(world, backend):

@@ -7,6 +7,7 @@ from graphs.errors import InputError
 
 __all__ = [
     "CaptureSizeError",
+    "DeviceCountError",
     "ParallelSizeError",
     "PlatformNotImportableError",
     "ResolutionError",
@@ -39,6 +40,10 @@ class UnknownEagerRegionError(ResolutionError):
 class ParallelSizeError(ResolutionError, model_parallel.ParallelSizeError):
     """A parallel size that is not an integer >= 1 (the resolution's refusal; the model's, of a
     size that does not divide it, is the base class ``dsv4.parallel.ParallelSizeError``)."""
+
+
+class DeviceCountError(ParallelSizeError):
+    """More local ranks than the platform has devices on this machine (each takes one)."""
 
 
 class PlatformNotImportableError(InputError, ValueError):

@@ -10,8 +10,9 @@ rank, rank 0's logits (gathered over the vocabulary, so complete) come back thro
 memory (``runners.shared_logits``).
 
 Invariants:
-- Everything ``build_engine`` refuses before allocating (``check_spec``) is refused here before
-  any process starts; an error while a rank builds its engine stops every rank and raises
+- Everything ``build_engine`` refuses before allocating (``check_spec``), and more ranks than
+  the platform has devices here (``check_local_devices``), is refused here before any process
+  starts; an error while a rank builds its engine stops every rank and raises
   ``RankFailedError`` naming it.
 - ``RankedExecutor`` is a ``StepExecutor``: ``execute`` returns rank 0's float32 logits on the
   CPU. A rank that raises or dies makes it stop every rank (killed after ``GRACE_S``) and raise
@@ -56,8 +57,10 @@ from runners.distributed import (
     SETTLE_S,
     RankFailedError,
     cause_of,
+    check_local_devices,
     exit_reason,
     local_worlds,
+    on_the_cpu,
     one_line,
     process_group,
     process_group_backend,
@@ -68,7 +71,7 @@ from runners.engine import LLM, EngineLimits, ScheduledChunk
 from runners.errors import PlatformNotImportableError
 from runners.resolution import Resolution
 from runners.shared_logits import SharedLogits
-from runners.spec import EngineSpec, build_engine, check_spec
+from runners.spec import EngineSpec, build_engine, check_spec, config_of, llm_of
 
 __all__ = ["RankedEngine", "RankedExecutor", "launch_engine"]
 
@@ -161,6 +164,15 @@ class RankedExecutor:
     @property
     def num_eager_breaks(self) -> int:
         return int(self._request(("read", "num_eager_breaks", ()), ranks=1))
+
+    def check(self) -> None:
+        """Raise ``RankFailedError`` naming the cause if any rank has exited or failed, even
+        while no step runs (a server checks its ranks while idle)."""
+        with self._lock:
+            if self._failure is not None:
+                raise RankFailedError(self._failure)
+            if self._pending == 0 and any(p.poll() is not None for p in self._processes):
+                self._reply()  # a rank is gone, so its pipe has ended: names it and raises
 
     def close(self) -> None:
         """Stop every rank (idempotent); later calls raise ``RankFailedError``."""
@@ -268,9 +280,11 @@ class RankedEngine:
 
 def launch_engine(spec: EngineSpec) -> RankedEngine:
     """Start ``spec.tensor_parallel_size`` local ranks of ``spec`` (any size >= 1) and return
-    the engine driving them; refuses what ``check_spec`` refuses, and a platform object of a
-    class defined in ``__main__`` (``PlatformNotImportableError``), before starting any."""
+    the engine driving them; refuses what ``check_spec`` refuses, more ranks than the
+    platform's devices here (``DeviceCountError``) and a platform object of a class defined in
+    ``__main__`` (``PlatformNotImportableError``), before starting any."""
     resolution = check_spec(spec)
+    check_local_devices(resolution.platform, spec.tensor_parallel_size)
     platform_class = type(spec.platform)
     if platform_class.__module__ == "__main__":
         raise PlatformNotImportableError(
@@ -278,7 +292,14 @@ def launch_engine(spec: EngineSpec) -> RankedEngine:
             "cannot import: move it to a module, or register it as a plugin and pass its name"
         )
     ranks = RankedExecutor(spec, process_group_backend(resolution.platform))
-    return RankedEngine(resolution=resolution, llm=LLM(ranks), ranks=ranks, capacity=ranks.capacity)
+    try:
+        with warnings.catch_warnings():  # rank 0 said them already (re-raised by RankedExecutor)
+            warnings.simplefilter("ignore")
+            llm = llm_of(ranks, spec, config_of(spec))
+    except BaseException:
+        ranks.close()
+        raise
+    return RankedEngine(resolution=resolution, llm=llm, ranks=ranks, capacity=ranks.capacity)
 
 
 @contextlib.contextmanager
@@ -365,7 +386,7 @@ def serve_rank(fd: int) -> None:
         spec, world, backend = pickle.loads(conn.recv_bytes())
         if world.rank != 0:
             silence()
-        if backend == "gloo":
+        if on_the_cpu(backend):
             share_threads(world.size)
         with process_group(world, backend):
             with warnings.catch_warnings(record=True) as caught:

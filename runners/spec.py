@@ -13,6 +13,9 @@ Invariants:
   half-built.
 - The model is built in ``spec.dtype`` (``compute_dtype_of``); the runner's KV caches follow the
   model's ``compute_dtype``, so an engine over a given model runs in that model's dtype.
+- The ``LLM`` stops every request at the checkpoint's EOS ids (``eos_token_id`` of
+  ``config.json`` and ``generation_config.json``) unless it sets ``ignore_eos``, and decodes
+  text with the checkpoint's tokenizer (byte-level for the built-in model: ``runners.text``).
 - Building changes nothing in the model but its device (``build_engine`` moves it to the
   platform's): each runner owns its caches and eager region and hands them to the model in every
   step's forward context. So a model may be shared by several engines on one device
@@ -33,6 +36,7 @@ import torch.distributed as dist
 from dsv4 import DeepseekV4Config, DeepseekV4ForCausalLM, load_checkpoint
 from dsv4.config import ARCHITECTURE
 from dsv4.dtypes import COMPUTE_DTYPES, DTYPE_CHOICES, dtype_name, resolve_dtype
+from dsv4.generation_config import stop_token_ids
 from dsv4.hf_config import checkpoint_architecture, load_config
 from dsv4.parallel import SINGLE, TensorParallel, check_parallel_size
 from dsv4.quantized_loading import LOAD_MODES
@@ -43,10 +47,11 @@ from platforms import Platform, current_platform, get_platform, simulate
 from runners.base import DEFAULT_MAX_GRAPH_CONTEXTS, ModelRunner
 from runners.batch import DEFAULT_CAPTURE_SIZES, DEFAULT_FIRST_CONTEXT_BUCKET
 from runners.capacity import Capacity, CapacityPlan, MaxModelLenCappedWarning
-from runners.engine import LLM
+from runners.engine import LLM, StepExecutor
 from runners.errors import ParallelSizeError, SpecError, UnsupportedDtypeError
 from runners.layout import CacheLayout
 from runners.resolution import Resolution, resolve
+from runners.text import tokenizer_of
 from runners.threads import apply_threads
 
 __all__ = [
@@ -60,6 +65,7 @@ __all__ = [
     "check_spec",
     "compute_dtype_of",
     "config_of",
+    "llm_of",
     "parallel_of",
     "require_dtype",
     "resolve_platform",
@@ -242,7 +248,8 @@ def build_engine(spec: EngineSpec, *, model: DeepseekV4ForCausalLM | None = None
     if layout is None:
         budget = capacity.budget(platform.device)
         if model.parallel.size > 1:  # every rank plans the same layout: the smallest budget
-            smallest = torch.tensor([budget], dtype=torch.int64)
+            # on the device: NCCL serves nothing else (a CPU tensor fails every GPU run)
+            smallest = torch.tensor([budget], dtype=torch.int64, device=platform.device)
             dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=model.parallel.group)
             budget = int(smallest.item())
         plan = capacity.plan(
@@ -262,7 +269,21 @@ def build_engine(spec: EngineSpec, *, model: DeepseekV4ForCausalLM | None = None
         max_graph_contexts=spec.max_graph_contexts,
         collectives_in_graph=resolution.collectives_in_graph,
     )
-    return Engine(resolution=resolution, runner=runner, llm=LLM(runner), capacity=plan)
+    return Engine(
+        resolution=resolution, runner=runner, llm=llm_of(runner, spec, model.config), capacity=plan
+    )
+
+
+def llm_of(executor: StepExecutor, spec: EngineSpec, config: DeepseekV4Config) -> LLM:
+    """The ``LLM`` over ``executor`` for a model of ``config`` from ``spec``'s checkpoint: it
+    stops at the checkpoint's EOS ids and decodes with its tokenizer."""
+    vocab = executor.limits.vocab_size
+    tokenizer = tokenizer_of(spec.checkpoint, vocab)
+    return LLM(
+        executor,
+        eos_token_ids=stop_token_ids(config.eos_token_id, spec.checkpoint, vocab_size=vocab),
+        detokenize=None if tokenizer is None else tokenizer.decode,
+    )
 
 
 def check_spec(spec: EngineSpec, model: DeepseekV4ForCausalLM | None = None) -> Resolution:

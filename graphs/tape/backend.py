@@ -33,7 +33,9 @@ Invariants:
   tensors it produced hold junk and the outside memory it wrote holds its prior bytes, until the
   segment is replayed. This is always on; nothing switches it off.
 - A retired pool (all its graphs gone, ``graphs.backend.PoolGraphs``) is never recorded into
-  again; a failed segment leaves the backend not recording.
+  again; a failed segment leaves the backend not recording. A segment that recorded nothing
+  keeps its use of the pool as long as the backend lives (as ``CudaGraphBackend`` keeps an
+  empty graph), so a capture that begins with an eager break leaves its fresh pool usable.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from graphs.backend import PoolUse
 from graphs.errors import CaptureError
 from graphs.tape.linking import Linker
 from graphs.tape.memory import SegmentMemory, TapePool
@@ -59,10 +62,14 @@ __all__ = ["TapeBackend", "TapeSegment"]
 class TapeSegment:
     """A linked stretch of the tape: ``replay`` calls its steps in order."""
 
-    def __init__(self, steps: list[Step], memory: SegmentMemory, num_ops: int) -> None:
+    def __init__(
+        self, steps: list[Step], memory: SegmentMemory, num_ops: int, use: PoolUse
+    ) -> None:
         self._steps = tuple(steps)
         self.memory = memory
         self.num_ops = num_ops
+        self._use = use
+        """Its use of the pool, given back with the segment."""
 
     @property
     def num_steps(self) -> int:
@@ -90,6 +97,11 @@ class TapeBackend:
     def __init__(self, *, pool: TapePool | None = None) -> None:
         self._pool = pool if pool is not None else TapePool()
         self._recorder: Recorder | None = None
+        self._use: PoolUse | None = None
+        """The recording segment's use of the pool (taken at its beginning, as on CUDA)."""
+        self._empty_uses: list[PoolUse] = []
+        """Uses of segments that recorded nothing, kept as ``CudaGraphBackend`` keeps empty
+        graphs: given back, the first one would leave a fresh pool retired."""
         self._plan_cache: PlanCache = {}
 
     @property
@@ -103,12 +115,16 @@ class TapeBackend:
         recorder = Recorder(self._plan_cache)
         recorder.__enter__()
         self._recorder = recorder
+        self._use = self._pool.graphs.take()
 
     def end_segment(self) -> TapeSegment | None:
+        use = self._use
         recorder = self._stop()
+        assert use is not None
         with _disable_current_modes(), torch.inference_mode():
             recorder.outside_writes.restore()
             if recorder.num_ops == 0:
+                self._empty_uses.append(use)
                 return None
             linker = Linker(recorder, self._pool)
             steps = linker.steps()
@@ -118,9 +134,7 @@ class TapeBackend:
                 storage = info.weak.get()
                 if storage is not None:
                     fill_junk(storage, info.dtype)
-        segment = TapeSegment(steps, linker.memory, recorder.num_ops)
-        self._pool.graphs.add(segment)
-        return segment
+        return TapeSegment(steps, linker.memory, recorder.num_ops, use)
 
     def abort_segment(self) -> None:
         with contextlib.suppress(CaptureError):
@@ -138,7 +152,7 @@ class TapeBackend:
         recorder = self._recorder
         if recorder is None:
             raise CaptureError("the tape is not recording a segment")
-        self._recorder = None
+        self._recorder = self._use = None
         recorder.__exit__(None, None, None)
         return recorder
 

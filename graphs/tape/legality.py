@@ -1,9 +1,13 @@
-"""What a captured segment may not do: host syncs, data-dependent output shapes, random ops.
+"""What a captured segment may not do: host syncs, data-dependent output shapes, random ops,
+tensor literals.
 
 A CUDA graph bakes every host-side value into the graph and cannot run a host sync or allocate
 an output whose size depends on device data; random ops replay with the seed they were captured
-with. The tape would silently freeze all of these, so it refuses them instead, naming the op
-and the user's source line. Eager segments are not checked: they may do anything.
+with; a tensor literal (``torch.tensor([...])``) is a copy from pageable host memory, which CUDA
+refuses under stream capture (a 0-dim one is let through: torch makes those of Python scalars,
+as in ``x[mask] = 0.0``, where CUDA keeps them on the host and kernels take them by value).
+The tape would silently freeze all of these, so it refuses them instead, naming the op and the
+user's source line. Eager segments are not checked: they may do anything.
 
 Invariant: ``check_capturable`` raises ``CaptureError`` or returns ``None``; it never runs the op.
 Ops that are invisible to a dispatch mode (``.tolist()``, ``.numpy()``, ``data_ptr()``) cannot be
@@ -16,7 +20,7 @@ from typing import Any
 
 import torch
 
-from graphs._ops import op_name
+from graphs._ops import LITERALS, op_name
 from graphs._source import user_location
 from graphs.errors import CaptureError
 
@@ -79,6 +83,14 @@ def _reason(
         return "random op: replay would reuse the capture's random numbers"
     if torch.Tag.nondeterministic_seeded in tags:
         return "random op: replay would reuse the capture's random numbers"
+    if name in LITERALS:
+        literal = args[0] if args else None
+        if isinstance(literal, torch.Tensor) and literal.dim() == 0:
+            return None  # a Python scalar made a tensor (``x[i] = 0.0``): kernels take it by value
+        return (
+            "tensor literal: a copy from pageable host memory, illegal under CUDA stream "
+            "capture (make the tensor once, outside the capture, and reuse it)"
+        )
     if name in _HOST_SYNCS or torch.Tag.data_dependent_output in tags:
         return "host sync: a tensor's value is read on the host (.item(), bool(tensor), ...)"
     if name in _STORAGE_SWAPS:
@@ -94,7 +106,7 @@ def _reason(
     return None
 
 
-_BY_ARGUMENTS = _INDEXING | _DROPOUTS | {"repeat_interleave", "one_hot", "where"}
+_BY_ARGUMENTS = _INDEXING | _DROPOUTS | LITERALS | {"repeat_interleave", "one_hot", "where"}
 """Ops whose legality depends on their arguments; every other op's is decided by its overload
 alone and cached (``_static_reasons``), since capture checks each of ~1000 ops per graph."""
 

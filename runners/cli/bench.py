@@ -181,8 +181,10 @@ def render(payload: dict[str, Any]) -> str:
     tps = ", ".join(f"{k} {v:.1f}" for k, v in gen["tokens_per_s"].items())
     lines.append(f"generation tokens/s: {tps}")
     if "ratio_engine/transformers" in gen:
+        devices = gen["devices"]
         lines.append(
-            f"  engine/transformers = {gen['ratio_engine/transformers']:.2f}x "
+            f"  engine/transformers = {gen['ratio_engine/transformers']:.2f}x, engine on "
+            f"{devices['engine']}, transformers on {devices['transformers']} "
             f"(same tokens as its uncached forward: {gen['same_tokens_as_uncached_forward']}, "
             f"as its generate: {gen['same_tokens_as_generate']})"
         )

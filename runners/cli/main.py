@@ -20,15 +20,17 @@ from typing import Any, NoReturn
 
 import runners.cli.bench as bench
 import runners.cli.bench_load as bench_load
+import runners.cli.bench_serve as bench_serve
 import runners.cli.explain as explain
 import runners.cli.init_checkpoint as init_checkpoint
 import runners.cli.matrix as matrix
 import runners.cli.run as run
+import runners.cli.serve as serve
 from dsv4.parallel import check_parallel_size
 from runners.cli.errors import EXIT_CLOSED_PIPE, UsageError, report_failure, stdout_closed
 from runners.cli.options import parallel_backend
-from runners.distributed import execute_ranked, torchrun_world
-from runners.spec import EngineSpec, config_of
+from runners.distributed import check_local_devices, execute_ranked, torchrun_world
+from runners.spec import EngineSpec, config_of, resolve_platform
 
 __all__ = ["build_parser", "main"]
 
@@ -39,6 +41,8 @@ COMMANDS: dict[str, ModuleType] = {
     "bench": bench,
     "bench-load": bench_load,
     "init-checkpoint": init_checkpoint,
+    "serve": serve,
+    "bench-serve": bench_serve,
 }
 
 
@@ -128,10 +132,12 @@ def _execute(module: ModuleType, args: argparse.Namespace) -> dict[str, Any] | N
     size = args.tensor_parallel_size
     if size == 1 and world is None:
         return dict(module.execute(args))
-    if world is None:  # refuse a size the model cannot split before any process starts
+    platforms_of = getattr(module, "parallel_platforms", lambda a: [a.platform])
+    if world is None:  # refuse what cannot run before any process starts
         checkpoint = Path(args.checkpoint) if args.checkpoint else None
         check_parallel_size(config_of(EngineSpec(checkpoint=checkpoint)), size)
-    platforms_of = getattr(module, "parallel_platforms", lambda a: [a.platform])
+        for name in platforms_of(args):
+            check_local_devices(resolve_platform(name, simulated=args.simulate), size)
     backend = parallel_backend(platforms_of(args), simulate=args.simulate)
     return execute_ranked(module.execute, args, size, backend)
 

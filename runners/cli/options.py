@@ -8,6 +8,7 @@ from typing import Any
 
 from dsv4.dtypes import DTYPE_CHOICES
 from graphs import STRATEGIES
+from platforms.device_only_group import DEVICE_ONLY_GLOO
 from runners.base import DEFAULT_MAX_GRAPH_CONTEXTS
 from runners.batch import DEFAULT_CAPTURE_SIZES, DEFAULT_FIRST_CONTEXT_BUCKET
 from runners.capacity import DEFAULT_MEMORY_FRACTION
@@ -186,11 +187,14 @@ def add_parallel_option(parser: argparse.ArgumentParser) -> None:
 
 def parallel_backend(names: Sequence[str | None], *, simulate: bool) -> str:
     """The process-group backend of the platforms ``names`` (``None``: the current one) a
-    command runs on: ``gloo`` where they run on the CPU (simulated or not available here),
-    else the platform's own; one line (exit 2) when a command would mix them."""
+    command runs on: ``gloo`` where they run on the CPU (simulated or not available here;
+    refusing host tensors if any of them must, ``process_group_backend``), else the platform's
+    own; one line (exit 2) when a command would mix them."""
     backends = set()
     for name in names:
         backends.add(process_group_backend(resolve_platform(name, simulated=simulate)))
+    if backends == {"gloo", DEVICE_ONLY_GLOO}:  # CPU ranks: refuse host tensors if any must
+        backends = {DEVICE_ONLY_GLOO}
     if len(backends) > 1:
         raise UsageError(
             f"--tensor-parallel-size runs one process group; these platforms need "

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from dsv4.dtypes import dtype_name
-from dsv4.generation_config import stop_token_ids
 from dsv4.tokenizer import CheckpointTokenizer
 from runners.cli.errors import UsageError
 from runners.cli.options import (
@@ -131,7 +130,7 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(
             f"--prompt needs a byte-level vocabulary (>= 256 tokens); this has {vocab}"
         )
-    params = _sampling_params(args, engine, checkpoint)
+    params = _sampling_params(args)
     for prompt in prompts:
         try:
             engine.llm.check(prompt, params)
@@ -211,24 +210,17 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
     return payload
 
 
-def _sampling_params(
-    args: argparse.Namespace, engine: Engine, checkpoint: Path | None
-) -> SamplingParams:
-    """The flags' sampling, stopping at every EOS id of the checkpoint (unless --ignore-eos):
-    the first is ``eos_token_id``, the others ``stop_token_ids``."""
-    if args.ignore_eos:
-        eos: tuple[int, ...] = ()
-    else:
-        config_eos = engine.runner.model.config.eos_token_id
-        eos = stop_token_ids(config_eos, checkpoint, vocab_size=engine.runner.vocab_size)
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The flags' sampling; the engine stops at every EOS id of the checkpoint unless
+    --ignore-eos (``build_engine``). Text is decoded here, so the engine's is not asked for."""
     return SamplingParams(
         max_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
-        eos_token_id=eos[0] if eos else None,
-        stop_token_ids=eos[1:],
+        ignore_eos=args.ignore_eos,
+        detokenize=False,
     )
 
 

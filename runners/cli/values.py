@@ -12,7 +12,7 @@ import math
 import re
 from collections.abc import Callable
 
-__all__ = ["at_least", "byte_count", "non_negative_float", "probability"]
+__all__ = ["at_least", "byte_count", "non_negative_float", "positive_float", "probability"]
 
 
 def at_least(minimum: int) -> Callable[[str], int]:
@@ -46,6 +46,14 @@ def non_negative_float(text: str) -> float:
     value = _number(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number ``> 0``."""
+    value = _number(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
 
 

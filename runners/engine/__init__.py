@@ -16,11 +16,20 @@ from runners.engine.errors import (
 from runners.engine.executor import EngineLimits, ScheduledChunk, StepExecutor
 from runners.engine.llm import LLM, EngineStats, GenerateProgress
 from runners.engine.params import SamplingParams
-from runners.engine.request import FinishReason, RequestFailedError, RequestOutput
+from runners.engine.request import (
+    FinishReason,
+    Listener,
+    RequestFailedError,
+    RequestOutput,
+    RequestUpdate,
+    TokenLogprob,
+)
+from runners.engine.text import Detokenize
 
 __all__ = [
     "LLM",
     "BlockPool",
+    "Detokenize",
     "EngineConfigError",
     "EngineError",
     "EngineLimits",
@@ -29,10 +38,13 @@ __all__ = [
     "FinishReason",
     "GenerateProgress",
     "InvalidRequestError",
+    "Listener",
     "RequestFailedError",
     "RequestOutput",
     "RequestTooLongError",
+    "RequestUpdate",
     "SamplingParams",
     "ScheduledChunk",
     "StepExecutor",
+    "TokenLogprob",
 ]

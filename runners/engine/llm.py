@@ -23,63 +23,39 @@ Invariants:
   by threads.
 - Host work per step is proportional to the number of chunks, not to the tokens fed (prefill
   chunks are slices of the request's token list) nor to the vocabulary (one argmax for all
-  greedy rows).
+  greedy rows; penalties, masks and log-probabilities are batched: ``processing``), nor to the
+  length of the output (text is decoded incrementally: ``text``).
+- Stopping: a request stops at its ``stop_token_ids``, at the engine's ``eos_token_ids`` (the
+  checkpoint's EOS ids for an engine ``build_engine`` builds) unless it sets ``ignore_eos``, and
+  at its stop strings, matched in the text the engine's ``detokenize`` gives.
 """
 
 from __future__ import annotations
 
 import itertools
-import operator
 import threading
 from collections.abc import Callable, Sequence
 
-import attrs
+import torch
 
-from runners.engine.errors import (
-    EngineConfigError,
-    ExecutorError,
-    InvalidRequestError,
-    RequestTooLongError,
-)
+from runners.engine.errors import EngineConfigError, ExecutorError, InvalidRequestError
 from runners.engine.executor import StepExecutor
 from runners.engine.params import SamplingParams
-from runners.engine.request import FinishReason, Request, RequestFailedError, RequestOutput
+from runners.engine.processing import LogitsProcessing, record_logprobs
+from runners.engine.request import (
+    FinishReason,
+    Listener,
+    Request,
+    RequestFailedError,
+    RequestOutput,
+)
 from runners.engine.sampling import sample, seeded_generator
 from runners.engine.scheduler import Scheduler
+from runners.engine.stats import EngineStats, GenerateProgress
+from runners.engine.text import Detokenize
+from runners.engine.validation import check_fits, check_params, check_prompt
 
 __all__ = ["LLM", "EngineStats", "GenerateProgress"]
-
-
-@attrs.frozen(kw_only=True)
-class GenerateProgress:
-    """Reported to ``generate``'s ``progress`` callback after every step."""
-
-    finished: int
-    """Requests of this ``generate`` call that have finished."""
-    total: int
-    """Requests of this ``generate`` call."""
-    generated_tokens: int
-    """Tokens the engine sampled since this call began."""
-
-
-@attrs.frozen(kw_only=True)
-class EngineStats:
-    """A snapshot of the engine's queues and cache occupancy."""
-
-    waiting: int
-    """Live requests without a row: new ones, and preempted ones waiting to be recomputed."""
-    running: int
-    free_blocks: int
-    total_blocks: int
-    free_rows: int
-    total_rows: int
-    free_entry_blocks: int
-    total_entry_blocks: int
-    released_blocks: int
-    """Blocks running requests gave back so far, their positions past every layer's lookback."""
-    preemptions: int
-    """Requests preempted so far (each time, so one request may count more than once): each one
-    gave back its blocks and row and is recomputed from its tokens when it resumes."""
 
 
 class LLM:
@@ -93,10 +69,17 @@ class LLM:
     """
 
     def __init__(
-        self, executor: StepExecutor, *, max_num_batched_tokens: int | None = None
+        self,
+        executor: StepExecutor,
+        *,
+        max_num_batched_tokens: int | None = None,
+        eos_token_ids: Sequence[int] = (),
+        detokenize: Detokenize | None = None,
     ) -> None:
         """``max_num_batched_tokens``: the token budget of one step (default and upper bound:
-        the executor's ``limits.max_num_tokens``)."""
+        the executor's ``limits.max_num_tokens``); ``eos_token_ids``: the ids that end every
+        request not ignoring EOS; ``detokenize``: token ids to text, for ``RequestOutput.text``
+        and stop strings (without it, a request with stop strings is refused)."""
         self.executor = executor
         limits = executor.limits
         budget = limits.max_num_tokens if max_num_batched_tokens is None else max_num_batched_tokens
@@ -106,6 +89,13 @@ class LLM:
                 f"(the executor's max_num_tokens), got {budget}"
             )
         self.vocab_size = limits.vocab_size
+        bad = [i for i in eos_token_ids if not 0 <= i < limits.vocab_size]
+        if bad:
+            raise EngineConfigError(
+                f"eos token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})"
+            )
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.detokenize = detokenize
         self.block_size = limits.block_size
         self.max_context = limits.max_context
         self.scheduler = Scheduler(
@@ -117,6 +107,7 @@ class LLM:
             entry_rate=limits.entry_rate,
             lookback=limits.lookback,
         )
+        self._processing = LogitsProcessing(limits.max_rows, limits.vocab_size)
         self._ids = itertools.count()
         self._undelivered: list[RequestOutput] = []
         self._generated_tokens = 0
@@ -128,11 +119,21 @@ class LLM:
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        listener: Listener | None = None,
     ) -> str:
         """Queue a request and return its id; raise ``InvalidRequestError`` (or its subclass
-        ``RequestTooLongError``) without changing anything if it is malformed or can never fit."""
+        ``RequestTooLongError``) without changing anything if it is malformed or can never fit.
+
+        One choice per request: ``params.n`` must be 1 (add ``params.choice(i)`` for each
+        choice). ``listener`` is handed a ``RequestUpdate`` after each step that sampled a
+        token for the request, the last one carrying its output (not after ``abort``)."""
         with self._lock:
-            request = self._prepare(prompt_ids, params, request_id)
+            if params is not None and isinstance(params, SamplingParams) and params.n != 1:
+                raise InvalidRequestError(
+                    f"add_request takes one choice, got n = {params.n}: add params.choice(i) "
+                    "for each choice (generate does)"
+                )
+            request = self._prepare(prompt_ids, params, request_id, listener)
             self.scheduler.add(request)
             return request.request_id
 
@@ -140,7 +141,7 @@ class LLM:
         """Raise what ``add_request`` would raise for this prompt, changing nothing (so a caller
         can refuse bad input before expensive work such as graph capture)."""
         with self._lock:
-            self._prepare(prompt_ids, params, request_id="")
+            self._prepare(prompt_ids, params, request_id="", listener=None)
 
     def step(self) -> list[RequestOutput]:
         """Run one step; return the requests that finished in it (and any finished during a
@@ -192,7 +193,8 @@ class LLM:
         *,
         progress: Callable[[GenerateProgress], None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs in prompt order. All prompts are validated before
+        """Generate for every prompt; outputs in prompt order (a prompt whose params have
+        ``n > 1`` gives its ``n`` choices one after another). All prompts are validated before
         any is queued; on any exception (including KeyboardInterrupt) this call's requests are
         aborted, so the engine is left as it was found. If requests fail (their logits could not
         be sampled), the others still finish, then ``RequestFailedError`` is raised with every
@@ -206,8 +208,11 @@ class LLM:
                     f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts"
                 )
         with self._lock:
-            pairs = zip(prompts, per_prompt, strict=True)
-            requests = [self._prepare(p, sp, None) for p, sp in pairs]
+            requests = [
+                self._prepare(prompt, choice, None, None)
+                for prompt, sp in zip(prompts, per_prompt, strict=True)
+                for choice in _choices(sp)
+            ]
             mine = {r.request_id: i for i, r in enumerate(requests)}
             for request in requests:
                 self.scheduler.add(request)
@@ -259,61 +264,46 @@ class LLM:
         for request in requests:
             if request.generator is None and request.params.seed is not None:
                 request.generator = seeded_generator(request.params.seed, logits.device)
-        tokens = sample(logits, [r.params for r in requests], [r.generator for r in requests])
+        processed = self._processing.process(logits, requests)
+        tokens = sample(
+            processed,
+            [r.params for r in requests],
+            [r.generator for r in requests],
+            finite=None if processed is logits else torch.isfinite(logits).all(dim=-1),
+        )
+        record_logprobs(logits, requests, tokens)
         self._generated_tokens += sum(isinstance(t, int) for t in tokens)
-        return self.scheduler.commit(step, tokens)
+        finished = self.scheduler.commit(step, tokens)
+        self._processing.record(requests)
+        outputs = {output.request_id: output for output in finished}
+        for request in requests:
+            if request.listener is not None:
+                request.listener(request.update(outputs.get(request.request_id)))
+        return finished
 
     def _prepare(
-        self, prompt_ids: Sequence[int], params: SamplingParams | None, request_id: str | None
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None,
+        request_id: str | None,
+        listener: Listener | None,
     ) -> Request:
-        if params is None:
-            params = SamplingParams()
-        elif not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
-        prompt = _token_ids(prompt_ids)
-        if not prompt:
-            raise InvalidRequestError("prompt is empty: give at least one token id")
-        self._check_vocab(prompt)
-        for stop in sorted(params.stop_ids):
-            if stop >= self.vocab_size:
-                raise InvalidRequestError(
-                    f"stop token id {stop} is outside the vocabulary [0, {self.vocab_size})"
-                )
-        cached = len(prompt) + params.max_tokens - 1
-        if len(prompt) > self.max_context:
-            raise RequestTooLongError(
-                f"prompt of {len(prompt)} tokens exceeds the maximum context of "
-                f"{self.max_context} tokens"
-            )
-        if cached > self.max_context:
-            raise RequestTooLongError(
-                f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} exceeds the "
-                f"maximum context of {self.max_context} tokens; use max_tokens <= "
-                f"{self.max_context - len(prompt) + 1}"
-            )
-        blocks, entry_blocks = self.scheduler.most_held(cached)
-        pools = self.scheduler.blocks, self.scheduler.entry_blocks
-        for needed, pool, what in zip((blocks, entry_blocks), pools, ("KV", "entry"), strict=True):
-            if needed > pool.size:
-                raise RequestTooLongError(
-                    f"request needs {needed} {what} blocks of {self.block_size} tokens but the "
-                    f"cache has {pool.size}; shorten the prompt or max_tokens"
-                )
+        params = check_params(params, self.vocab_size, self.detokenize is not None)
+        prompt = check_prompt(prompt_ids, self.vocab_size)
+        check_fits(prompt, params, self.scheduler, self.max_context)
         if request_id is None:
             request_id = self._fresh_id()
         elif not isinstance(request_id, str):
             raise InvalidRequestError(f"request_id must be a str, got {request_id!r}")
         elif request_id in self.scheduler.live:
             raise InvalidRequestError(f"request id {request_id!r} is already live")
-        return Request(request_id, prompt, params)
-
-    def _check_vocab(self, prompt: tuple[int, ...]) -> None:
-        if min(prompt) >= 0 and max(prompt) < self.vocab_size:
-            return
-        position, bad = next((i, t) for i, t in enumerate(prompt) if not 0 <= t < self.vocab_size)
-        raise InvalidRequestError(
-            f"token id {bad} at position {position} is outside the vocabulary "
-            f"[0, {self.vocab_size})"
+        return Request(
+            request_id,
+            prompt,
+            params,
+            eos_token_ids=self.eos_token_ids,
+            detokenize=self.detokenize,
+            listener=listener,
         )
 
     def _fresh_id(self) -> str:
@@ -323,12 +313,8 @@ class LLM:
                 return candidate
 
 
-def _token_ids(prompt_ids: Sequence[int]) -> tuple[int, ...]:
-    if isinstance(prompt_ids, str | bytes):
-        raise InvalidRequestError("prompt must be a sequence of token ids, not text")
-    try:
-        return tuple(operator.index(t) for t in prompt_ids)
-    except TypeError:
-        raise InvalidRequestError(
-            f"prompt must be a sequence of int token ids, got {prompt_ids!r:.60}"
-        ) from None
+def _choices(params: SamplingParams | None) -> list[SamplingParams | None]:
+    """The parameters of each choice of one prompt (``SamplingParams.choice``)."""
+    if not isinstance(params, SamplingParams) or params.n == 1:
+        return [params]
+    return [params.choice(i) for i in range(params.n)]

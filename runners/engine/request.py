@@ -17,20 +17,34 @@ KV is in the cache; the rest are fed in the next chunks. The invariants the sche
   everything else: ``token_ids`` (so the tokens generated so far are neither lost nor generated
   again, and still count toward ``max_tokens``) and ``generator`` (whose state has advanced only
   for tokens actually sampled).
+- ``text`` (when the request detokenizes) and ``logprobs`` (when it asks for them) follow
+  ``token_ids``: they cover exactly the output tokens sampled so far, preemption included.
+- Updates (``RequestUpdate``, for a request added with a listener) hand out each output token,
+  each piece of stable text and each token's log-probabilities exactly once, in order; the last
+  update of a request carries its ``RequestOutput``.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
 
 from runners.engine.errors import EngineError
 from runners.engine.params import SamplingParams
+from runners.engine.text import Detokenize, IncrementalText
 
-__all__ = ["FinishReason", "Request", "RequestFailedError", "RequestOutput"]
+__all__ = [
+    "FinishReason",
+    "Listener",
+    "Request",
+    "RequestFailedError",
+    "RequestOutput",
+    "RequestUpdate",
+    "TokenLogprob",
+]
 
 
 class FinishReason(enum.Enum):
@@ -48,6 +62,18 @@ class FinishReason(enum.Enum):
 
 
 @attrs.frozen(kw_only=True)
+class TokenLogprob:
+    """One output token's log-probability under the model's logits of its step (before
+    penalties and temperature), and the most likely tokens of that step with theirs."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+    """``(token id, log-probability)`` of the ``SamplingParams.logprobs`` most likely tokens,
+    most likely first."""
+
+
+@attrs.frozen(kw_only=True)
 class RequestOutput:
     """What a finished (or aborted) request produced."""
 
@@ -57,6 +83,30 @@ class RequestOutput:
     finish_reason: FinishReason
     error: str | None = None
     """For ``FinishReason.ERROR`` (and only then): one line naming the request and the reason."""
+    text: str | None = None
+    """The output's text (cut before a matched stop string), when the engine has a detokenizer
+    and the request detokenizes; else None."""
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    """One entry per output token when the request asked for log-probabilities; else None."""
+
+
+@attrs.frozen(kw_only=True)
+class RequestUpdate:
+    """What one step added to a request: handed to its listener (``LLM.add_request``)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    """Output tokens new since the last update."""
+    text: str
+    """Stable text new since the last update (``IncrementalText.stable``); "" without text."""
+    logprobs: tuple[TokenLogprob, ...]
+    """The new tokens' log-probabilities (empty when not asked for)."""
+    finished: RequestOutput | None
+    """The request's output, on its last update (it finished, stopped or failed in this step)."""
+
+
+Listener = Callable[[RequestUpdate], None]
+"""Called by ``LLM.step`` (in the stepping thread, under the engine's lock) with each update."""
 
 
 class Request:
@@ -68,6 +118,8 @@ class Request:
         "entry_block_ids",
         "entry_block_tuple",
         "generator",
+        "listener",
+        "logprobs",
         "max_len",
         "num_computed",
         "params",
@@ -75,16 +127,25 @@ class Request:
         "released",
         "request_id",
         "row",
+        "sent",
         "stop_ids",
+        "text",
         "token_ids",
     )
 
     def __init__(
-        self, request_id: str, prompt_ids: tuple[int, ...], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_ids: tuple[int, ...],
+        params: SamplingParams,
+        *,
+        eos_token_ids: frozenset[int] = frozenset(),
+        detokenize: Detokenize | None = None,
+        listener: Listener | None = None,
     ) -> None:
         self.request_id = request_id
         self.params = params
-        self.stop_ids = params.stop_ids
+        self.stop_ids = params.stop_ids(eos_token_ids)
         self.token_ids: list[int] = list(prompt_ids)
         self.prompt_len = len(prompt_ids)
         self.max_len = self.prompt_len + params.max_tokens
@@ -100,14 +161,56 @@ class Request:
         self.entry_block_ids: list[int] = []
         self.entry_block_tuple: tuple[int, ...] = ()
         self.generator: torch.Generator | None = None
+        self.text: IncrementalText | None = None
+        if detokenize is not None and params.detokenize:
+            self.text = IncrementalText(detokenize, params.stop, params.include_stop_str_in_output)
+        self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
+        self.listener = listener
+        self.sent = (0, 0, 0)
+        """Output tokens, characters of text and logprobs handed to the listener so far."""
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    def take_token(self, token: int) -> bool:
+        """Append a sampled token; return True if a stop string now ends the output."""
+        self.token_ids.append(token)
+        if self.text is None:
+            return False
+        past_min = self.num_output > self.params.min_tokens
+        return self.text.push(self.token_ids, self.prompt_len, past_min)
 
     def output(self, reason: FinishReason, error: str | None = None) -> RequestOutput:
+        text = None
+        if self.text is not None:
+            self.text.flush(self.token_ids, self.prompt_len)
+            text = self.text.text
         return RequestOutput(
             request_id=self.request_id,
             prompt_ids=tuple(self.token_ids[: self.prompt_len]),
             output_ids=tuple(self.token_ids[self.prompt_len :]),
             finish_reason=reason,
             error=error,
+            text=text,
+            logprobs=None if self.logprobs is None else tuple(self.logprobs),
+        )
+
+    def update(self, finished: RequestOutput | None) -> RequestUpdate:
+        """What is new since the last update (module docstring), and marks it handed out."""
+        tokens, chars, logprobs = self.sent
+        stable = len(self.text.text) if finished is not None and self.text else None
+        if stable is None:
+            stable = self.text.stable if self.text is not None else 0
+        new_text = self.text.text[chars:stable] if self.text is not None else ""
+        new_logprobs = tuple(self.logprobs[logprobs:]) if self.logprobs is not None else ()
+        self.sent = (self.num_output, max(chars, stable), logprobs + len(new_logprobs))
+        return RequestUpdate(
+            request_id=self.request_id,
+            token_ids=tuple(self.token_ids[self.prompt_len + tokens :]),
+            text=new_text,
+            logprobs=new_logprobs,
+            finished=finished,
         )
 
 

@@ -171,11 +171,11 @@ class Scheduler:
                 error = f"request {request.request_id!r} failed: {token}"
                 finished.append(self._finish(request, FinishReason.ERROR, error))
                 continue
-            tokens = request.token_ids
-            tokens.append(token)
-            if token in request.stop_ids:
+            stop_string = request.take_token(token)
+            past_min = request.num_output > request.params.min_tokens
+            if stop_string or (token in request.stop_ids and past_min):
                 finished.append(self._finish(request, FinishReason.STOP))
-            elif len(tokens) >= request.max_len:
+            elif len(request.token_ids) >= request.max_len:
                 finished.append(self._finish(request, FinishReason.LENGTH))
         if finished:
             self.running = [r for r in self.running if r.request_id in self.live]

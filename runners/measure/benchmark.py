@@ -287,7 +287,7 @@ def engine_throughput(
     """A timed greedy-generation round of the engine (graphs captured first), and its tokens."""
     engine = build_engine(spec, model=model)
     engine.runner.capture()
-    params = SamplingParams(max_tokens=max_new_tokens)
+    params = SamplingParams(max_tokens=max_new_tokens, ignore_eos=True, detokenize=False)
     outputs = engine.llm.generate(prompts, params)
 
     def round_() -> GenerationThroughput:

@@ -205,7 +205,7 @@ def _prefill(
     engine = build_engine(spec, model=model)
     vocab = model.config.vocab_size
     prompt = [(7 * i + 3) % min(vocab, 256) for i in range(options.prefill_tokens)]
-    params = SamplingParams(max_tokens=1)  # no EOS id: never stops early
+    params = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
     _, seconds = timed(lambda: engine.llm.generate([prompt], params), engine.runner.device)
     return {
         "tokens": options.prefill_tokens,
@@ -248,7 +248,7 @@ def _in_flight(
         [(5 * r + 3 * i) % vocab for i in range(options.in_flight_prompt)]
         for r in range(options.in_flight_requests)
     ]
-    params = SamplingParams(max_tokens=options.in_flight_output)
+    params = SamplingParams(max_tokens=options.in_flight_output, ignore_eos=True)
     measured = {}
     for name, executor in (("released", engine.runner), ("kept", _WithoutRelease(engine.runner))):
         llm = LLM(executor)

@@ -54,13 +54,16 @@ class Baseline:
     generate_tokens: list[list[int]]
     uncached_tokens: list[list[int]]
     """Greedy tokens from full forwards without a cache: the oracle our engine must equal."""
+    device: torch.device
+    """Where the peer's model ran."""
 
 
 def _uncached_greedy(model: Any, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
     ids = list(prompt)
     with torch.inference_mode():
         for _ in range(max_new_tokens):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            inputs = torch.tensor([ids], device=model.device)
+            ids.append(int(model(inputs).logits[0, -1].argmax()))
     return ids[len(prompt) :]
 
 
@@ -71,10 +74,12 @@ def transformers_baseline(
     *,
     builtin_seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
 ) -> Baseline:
     """A timed greedy ``generate`` round over ``prompts`` (one call each), with its tokens,
-    computing in ``dtype`` (the engine's, so both compute alike)."""
-    model = _load(checkpoint, builtin_seed, dtype)
+    computing in ``dtype`` on ``device`` (the engine's, so both compute alike, on one device:
+    transformers' own default, the CPU, would set a CPU against a GPU)."""
+    model = _load(checkpoint, builtin_seed, dtype).to(device)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
 
@@ -82,7 +87,7 @@ def transformers_baseline(
         outputs = []
         with torch.inference_mode():
             for prompt in prompts:
-                ids = torch.tensor([list(prompt)], dtype=torch.int64)
+                ids = torch.tensor([list(prompt)], dtype=torch.int64, device=model.device)
                 out = model.generate(
                     ids,
                     max_new_tokens=max_new_tokens,
@@ -100,4 +105,5 @@ def transformers_baseline(
         round=round_,
         generate_tokens=generate_all(),
         uncached_tokens=[_uncached_greedy(model, p, max_new_tokens) for p in prompts],
+        device=model.device,
     )

@@ -78,7 +78,7 @@ def run_matrix(options: MatrixOptions, progress: Callable[[str], None]) -> dict[
     """Run every cell; return the payload ``dsv4 matrix`` prints (``progress`` gets a line
     before each run)."""
     prompts = [list(p) for p in options.prompts]
-    params = SamplingParams(max_tokens=options.max_new_tokens)
+    params = SamplingParams(max_tokens=options.max_new_tokens, ignore_eos=True, detokenize=False)
     sizes = options.capture_sizes
     base = EngineSpec(
         checkpoint=options.checkpoint,

@@ -155,11 +155,17 @@ def _generation(base: EngineSpec, spec: EngineSpec, options: BenchOptions) -> di
     prompts = [
         [(11 * p + 3 * i) % 256 for i in range(8 + 4 * p)] for p in range(options.generate_prompts)
     ]
-    ours, our_tokens = engine_throughput(base, build_model(spec), prompts, options.max_new_tokens)
+    model = build_model(spec)
+    ours, our_tokens = engine_throughput(base, model, prompts, options.max_new_tokens)
+    device = next(model.parameters()).device  # where the engine put it
     contenders: dict[str, Callable[[], GenerationThroughput]] = {"engine": ours}
     if options.vs_transformers:
         baseline = transformers_baseline(
-            base.checkpoint, prompts, options.max_new_tokens, dtype=compute_dtype_of(base)
+            base.checkpoint,
+            prompts,
+            options.max_new_tokens,
+            dtype=compute_dtype_of(base),
+            device=device,
         )
         contenders["transformers"] = baseline.round
     rounds: dict[str, list[float]] = {name: [] for name in contenders}
@@ -174,6 +180,7 @@ def _generation(base: EngineSpec, spec: EngineSpec, options: BenchOptions) -> di
     if options.vs_transformers:
         tps = generation["tokens_per_s"]
         generation["ratio_engine/transformers"] = round(tps["engine"] / tps["transformers"], 3)
+        generation["devices"] = {"engine": device.type, "transformers": baseline.device.type}
         generation["same_tokens_as_generate"] = our_tokens == baseline.generate_tokens
         generation["same_tokens_as_uncached_forward"] = our_tokens == baseline.uncached_tokens
     return generation

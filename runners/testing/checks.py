@@ -126,7 +126,7 @@ class Workload:
         that raises is an ``AssertionError`` naming the platform."""
         model = random_model(config, seed, platform.device)
         frozen = tuple(tuple(p) for p in prompts)
-        params = SamplingParams(max_tokens=max_new_tokens)
+        params = SamplingParams(max_tokens=max_new_tokens, ignore_eos=True, detokenize=False)
         spec = attrs.evolve(engine_spec(platform), cudagraph_mode="NONE")
         try:
             eager = run_trace(spec, model, frozen, params, max_num_batched_tokens=STEP_BUDGET)

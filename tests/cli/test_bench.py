@@ -32,10 +32,24 @@ def _assert_measured(payload: dict) -> None:
     assert payload["generation"]["tokens_per_s"]["engine"] > 0
 
 
-def test_the_documented_reproduce_commands_measure(tmp_path: Path) -> None:
+def test_the_documented_reproduce_commands_measure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``docs/benchmarks.md``'s reproduce block, line by line at the smoke scale of
     ``test_shell_examples`` (the tiny preset, one repeat): each names the platform it measured
-    and measures what its table reports."""
+    and measures what its table reports; with --vs-transformers the peer runs where the engine
+    runs (on a GPU platform, the GPU: transformers' default, the CPU, would compare devices),
+    and the payload names both."""
+    import runners.measure.suite as suite
+
+    asked: dict[str, object] = {}
+    baseline = suite.transformers_baseline
+
+    def spy(*args: object, **kwargs: object) -> object:
+        asked.update(kwargs)
+        return baseline(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(suite, "transformers_baseline", spy)
     lines = command_lines(shell_block("reproduce"))
     assert [argv[:2] for argv in lines] == [
         ["dsv4", "bench"],
@@ -53,10 +67,15 @@ def test_the_documented_reproduce_commands_measure(tmp_path: Path) -> None:
         run_line(smoke(tape))
     platform = current_platform()
     assert (payload["platform"], payload["simulated"]) == (platform.name, False)
+    assert asked.get("device") == platform.device
     for measured in (payload, from_checkpoint):
         _assert_measured(measured)
         assert measured["capture"]["held_bytes"] > 0
-        assert measured["generation"]["tokens_per_s"]["transformers"] > 0
+        generation = measured["generation"]
+        assert generation["tokens_per_s"]["transformers"] > 0
+        device = platform.device.type
+        assert generation["devices"] == {"engine": device, "transformers": device}
+        assert generation["same_tokens_as_uncached_forward"] is True
     assert set(swept["decode"]["median_us"]) == {"eager", "piecewise", "full"}
     assert swept["prefill"]["tokens"] == 64 and swept["in_flight"]["requests"] == 12
     assert swept["kv_bytes"]["per_layer_type"]
@@ -100,6 +119,20 @@ def test_unknown_held_bytes_render_as_n_a() -> None:
     assert text.splitlines()[0] == "platform cuda, device cuda"
     assert "capture: 1 graphs in 0.01s, n/a held by captures (n/a the 3.0 MiB peak" in text
     assert "None" not in text
+
+
+@pytest.mark.cuda
+def test_vs_transformers_on_cuda_runs_both_on_the_gpu() -> None:
+    argv = ["bench", "--platform", "cuda", *FAST, "--vs-transformers", "--json"]
+    result = subprocess.run(
+        [sys.executable, "-m", "runners.cli.main", *argv],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    generation = json.loads(result.stdout)["generation"]
+    assert generation["devices"] == {"engine": "cuda", "transformers": "cuda"}
 
 
 def test_timed_returns_the_result_and_host_seconds_on_the_cpu() -> None:

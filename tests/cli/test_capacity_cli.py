@@ -64,6 +64,22 @@ def test_run_json_reports_the_layout_the_flags_derive(capsys: pytest.CaptureFixt
     assert payload["graphs"]["captured_contexts"] == [32, 64, 96]
 
 
+def test_no_full_graph_is_captured_above_max_num_seqs(capsys: pytest.CaptureFixture[str]) -> None:
+    """FULL graphs serve uniform-decode batches, at most --max-num-seqs tokens (padded): a FULL
+    size above the one 4 tokens pad to could never replay. PIECEWISE keeps every size."""
+    argv = ["run", "--prompt-ids", "1,2,3", "--max-new-tokens", "1", "--platform", "cpu"]
+    options = ["--max-num-seqs", "4", "--capture-sizes", "2,4,8", "--max-graph-contexts", "1"]
+    assert main([*argv, *options, "--threads", "1", "--json"]) == 0
+    captured = json.loads(capsys.readouterr().out)["graphs"]["captured"]
+    assert sorted((mode, size) for mode, size, _ in captured) == [
+        ("FULL", 2),
+        ("FULL", 4),
+        ("PIECEWISE", 2),
+        ("PIECEWISE", 4),
+        ("PIECEWISE", 8),
+    ]
+
+
 def test_a_capped_default_context_is_one_note_line(capsys: pytest.CaptureFixture[str]) -> None:
     block, entry = _block_bytes(16)
     budget = 6 * block + 5 * entry  # lookback 16 + chunk 64: 6 blocks; 5 entry blocks: 320

@@ -62,7 +62,7 @@ def engine() -> Engine:
 
 def test_streaming_generation_equals_generate(engine: Engine) -> None:
     prompts = [[1, 2, 3, 4, 5], [9, 8], [7]]
-    params = SamplingParams(max_tokens=5, eos_token_id=None)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
     seen: list[tuple[int, tuple[int, ...], bool]] = []
     streamed = generate_streaming(
         engine.llm, prompts, params, lambda i, ids, done: seen.append((i, tuple(ids), done))

@@ -28,6 +28,9 @@ from dsv4.quant_layers import (
 )
 from dsv4.quantized_writer import quantize_fp8, quantize_mxfp4
 from graphs import BreakableCapture, TapeBackend
+from graphs._ops import QuietDispatchMode
+from graphs._tensor_refs import WeakStorage, storage_key
+from graphs.allocations import new_allocations
 
 BLOCK = (128, 128)
 
@@ -153,6 +156,54 @@ def test_quantized_experts_equal_experts_and_replay_like_eager(fmt: str, tokens:
         return module(x, chosen, weights)
 
     _replays_like_eager(program, (tokens, hidden))
+
+
+@pytest.mark.parametrize("fmt", ["ue8m0", "mxfp4"])
+def test_every_expert_on_every_token_dequantizes_a_bounded_chunk_of_experts_at_a_time(
+    fmt: str,
+) -> None:
+    """The every-expert formulation (here 32 experts, 16 tokens, k = 2) once dequantized every
+    expert in float32 per call: about 24 GiB at the published sizes. It takes experts a chunk
+    at a time, so the bytes a call allocates at its peak stay near ``dense_chunk_bytes``, and
+    its output is the whole-stack one's (and the plain module's) bit for bit."""
+    experts, hidden, inter, k, tokens = 32, 64, 96, 2, 16
+    gate_up, down = _expert_stacks(fmt, experts, hidden, inter)
+    module = QuantizedExperts(gate_up, down, limit=1.5)
+    plain = Experts(experts, hidden, inter, limit=1.5)
+    with torch.no_grad():
+        plain.gate_up_proj.copy_(gate_up.dequantized())
+        plain.down_proj.copy_(down.dequantized())
+    generator = torch.Generator().manual_seed(4)
+    chosen = torch.stack([torch.randperm(experts, generator=generator)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=generator)
+    x = torch.randn(tokens, hidden, generator=generator)
+    whole_float32 = 4 * experts * 3 * inter * hidden  # both stacks dequantized: 2.25 MiB
+    module.dense_chunk_bytes = whole_float32 // 8
+    with torch.inference_mode():
+        tracker = _PeakNewBytes()
+        with tracker:
+            out = module(x, chosen, weights)
+        assert _same(out, plain(x, chosen, weights))
+    assert tracker.peak <= whole_float32 // 4, f"peak {tracker.peak} B of {whole_float32} B"
+
+
+class _PeakNewBytes(QuietDispatchMode):
+    """The peak of the bytes the ops run under it allocate and still hold (views of memory from
+    before it, such as the weights, allocate nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, tuple[WeakStorage, int]] = {}
+        self.peak = 0
+
+    def dispatch(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:  # type: ignore[type-arg]
+        result = func(*args, **kwargs)
+        self._live = {k: v for k, v in self._live.items() if not v[0].expired()}
+        for t in new_allocations(func, args, kwargs, result):
+            storage = t.untyped_storage()
+            self._live.setdefault(storage_key(t), (WeakStorage(storage), storage.nbytes()))
+        self.peak = max(self.peak, sum(nbytes for _, nbytes in self._live.values()))
+        return result
 
 
 @pytest.mark.parametrize("expert_fmt", ["float", "mxfp4"])

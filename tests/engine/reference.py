@@ -140,7 +140,7 @@ def reference_generate(
         token = sample(logits, [params], [generator])[0]
         output.append(token)
         history.append(token)
-        if token in params.stop_ids:
+        if token in params.stop_ids():
             return tuple(output), FinishReason.STOP
         if len(output) >= params.max_tokens:
             return tuple(output), FinishReason.LENGTH

@@ -112,7 +112,7 @@ def test_eos_stops_and_is_part_of_the_output() -> None:
     prompt = [4, 2]
     free_run, _ = expected(prompt, SamplingParams(max_tokens=6))
     eos = free_run[2]
-    params = SamplingParams(max_tokens=6, eos_token_id=eos)
+    params = SamplingParams(max_tokens=6, stop_token_ids=[eos])
     (output,) = LLM(ReferenceExecutor()).generate([prompt], params)
     assert output.finish_reason is FinishReason.STOP
     assert output.output_ids == free_run[: free_run.index(eos) + 1]
@@ -150,7 +150,7 @@ def test_abort_waiting_and_running_requests() -> None:
         ([1, 2.5], None, InvalidRequestError, "int token ids"),
         ([1, VOCAB], None, InvalidRequestError, f"token id {VOCAB} at position 1"),
         ([-1], None, InvalidRequestError, "token id -1 at position 0"),
-        ([1], SamplingParams(eos_token_id=VOCAB), InvalidRequestError, "stop token id"),
+        ([1], SamplingParams(stop_token_ids=[VOCAB]), InvalidRequestError, "stop token id"),
         ([1], {"max_tokens": 3}, InvalidRequestError, "params must be SamplingParams"),
         (list(range(9)), None, RequestTooLongError, "prompt of 9 tokens exceeds"),
         ([1] * 5, SamplingParams(max_tokens=5), RequestTooLongError, "max_tokens <= 4"),

@@ -44,7 +44,9 @@ class Case:
 
 
 tokens = st.integers(0, VOCAB - 1)
-greedy = st.builds(SamplingParams, max_tokens=st.integers(1, 12), eos_token_id=st.none() | tokens)
+greedy = st.builds(
+    SamplingParams, max_tokens=st.integers(1, 12), stop_token_ids=st.frozensets(tokens, max_size=1)
+)
 seeded = st.builds(
     SamplingParams,
     max_tokens=st.integers(1, 12),

@@ -48,7 +48,7 @@ tokens = st.integers(0, VOCAB - 1)
 greedy = st.builds(
     SamplingParams,
     max_tokens=st.integers(1, 6),
-    eos_token_id=st.none() | tokens,
+    stop_token_ids=st.frozensets(tokens, max_size=1),
 )
 seeded = st.builds(
     SamplingParams,

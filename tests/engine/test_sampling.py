@@ -197,3 +197,27 @@ def test_filtering_an_overflowed_row_keeps_a_token_instead_of_raising() -> None:
         torch.tensor([0.5]),
     )
     assert probs.shape == (1, 3)
+
+
+@given(grid_logits, temperatures, st.sampled_from([0.0, 0.05, 0.3, 0.7, 1.0]), st.integers(0, 14))
+def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_best(
+    logits: list[float], temperature: float, min_p: float, top_k: int
+) -> None:
+    """Min-p first (on the tempered distribution), then top-k among the survivors."""
+    scaled = [x / temperature for x in logits]
+    best = max(math.exp(s) for s in scaled)
+    survivors = [s for s in scaled if math.exp(s) >= min_p * best]
+    assume(all(abs(math.exp(s) - min_p * best) > 1e-6 * best for s in scaled))
+    kth = sorted(scaled, reverse=True)[min(top_k, len(scaled)) - 1] if top_k > 0 else -math.inf
+    kept = [s >= max(kth, min(survivors)) for s in scaled]
+    got = filtered_probs(
+        torch.tensor([logits]),
+        torch.tensor([temperature]),
+        torch.tensor([top_k]),
+        torch.tensor([1.0]),
+        torch.tensor([min_p]),
+    )[0]
+    assert (got > 0).tolist() == kept
+    weights = [math.exp(s) if k else 0.0 for s, k in zip(scaled, kept, strict=True)]
+    want = torch.tensor([w / sum(weights) for w in weights], dtype=torch.float32)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)

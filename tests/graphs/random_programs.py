@@ -156,8 +156,8 @@ def _step(instr: Instr, regs: list[torch.Tensor], env: Env, weights: Weights) ->
         values, indices = a.max(dim=-1, keepdim=True)
         return a - values + indices.to(a.dtype)
     if op == "literal":  # a literal mutated later must start fresh on every replay
-        c = torch.tensor([0.5] * H)
-        c.add_(a[instr.b % T])
+        c = torch.tensor(0.5)  # 0-dim: a literal of more dimensions cannot be captured
+        c.add_(a[instr.b % T, 0])
         return a * c
     if op == "where":
         return torch.where(a > 0, a, 0.25)

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from graphs import BackendUnavailableError, BreakableCapture, eager_break_during_capture
+from graphs.allocations import AllocationSites
 from graphs.capture import backend_for_device
-from graphs.cuda_backend import CudaGraphBackend
+from graphs.cuda_backend import CudaGraphBackend, _SegmentWatch
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without a GPU")
@@ -77,14 +78,25 @@ def test_full_capture_inlines_breaks_on_the_gpu() -> None:
 
 
 @pytest.mark.cuda
-def test_segments_of_one_backend_share_one_pool() -> None:
+def test_captures_of_one_backend_share_its_pool_memory() -> None:
+    """Captured largest first into one backend, a smaller capture reuses the block a larger
+    one freed: device memory does not grow (with a pool per capture it would, by 32 MiB)."""
     backend = CudaGraphBackend(device="cuda")
-    pool = backend.pool
-    x = torch.ones(4, device="cuda")
-    with BreakableCapture(backend) as capture:
-        _ = x * 2
-    assert backend.pool is pool
-    assert capture.num_graphs == 1
+    x = torch.ones(1 << 24, device="cuda")  # 64 MiB
+
+    def program(n: int) -> torch.Tensor:
+        return (x[:n] * 2).sum()  # a temporary of n floats, freed inside the capture
+
+    backend.warm_up(lambda: program(1 << 24))
+    with BreakableCapture(backend) as large:
+        program(1 << 24)
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    with BreakableCapture(backend) as small:
+        program(1 << 23)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_reserved() == reserved
+    assert large.num_graphs == small.num_graphs == 1
 
 
 def test_eager_arguments_are_held_member_by_member() -> None:
@@ -109,6 +121,25 @@ def test_eager_arguments_are_held_member_by_member() -> None:
     assert isinstance(held[2], Pair) and held[2].a == 8 and held[2].b == 5
     assert isinstance(held[3], Prepared) and held[3].q == 12 and held[3].scale == 1.0
     assert held[4] == "s"
+
+
+def test_the_cuda_backend_aliases_only_storages_its_segments_allocated() -> None:
+    """What the CUDA backend holds by a non-owning alias, decided on the CPU: an in-place output
+    or a view of outside memory is outside memory (held strongly, or it could dangle), and a
+    produced storage is forgotten once it is freed."""
+    produced = AllocationSites()
+    outside = torch.ones(4)
+    with torch.inference_mode(), _SegmentWatch(produced):
+        made = outside * 2
+        view_of_made = made[1:]
+        in_place = outside.add_(1)
+        view = outside[1:]
+        gone = outside + 3
+    assert produced.site_of(made) is not None and produced.site_of(view_of_made) is not None
+    assert produced.site_of(in_place) is None and produced.site_of(view) is None
+    assert produced.site_of(gone) is not None
+    del gone
+    assert produced.site_of(torch.ones(4)) is None
 
 
 @pytest.mark.cuda
@@ -191,6 +222,18 @@ def test_warm_up_runs_on_the_capture_stream() -> None:
 
 
 @pytest.mark.cuda
+def test_warm_up_leaves_nothing_cached_for_its_stream() -> None:
+    """The caching allocator keeps a freed block for the stream that used it: warm-up's
+    activations would stay reserved on the side stream, seen by no capture plan."""
+    backend = CudaGraphBackend(device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    backend.warm_up(lambda: torch.ones(64 << 20, dtype=torch.uint8, device="cuda").sum())
+    assert torch.cuda.memory_reserved() <= before
+
+
+@pytest.mark.cuda
 def test_eager_arguments_from_the_pool_are_aliases_and_others_are_held() -> None:
     backend = CudaGraphBackend(device="cuda")
     outside = torch.ones(4, device="cuda")
@@ -207,3 +250,25 @@ def test_eager_arguments_from_the_pool_are_aliases_and_others_are_held() -> None
     held.extend(eager.held_args)  # type: ignore[attr-defined]
     assert held[1] is outside  # held strongly: cannot dangle
     assert held[0] is not produced and held[0].data_ptr() == produced.data_ptr()  # type: ignore[attr-defined]
+
+
+@pytest.mark.cuda
+def test_a_capture_that_starts_with_an_eager_break_on_the_gpu() -> None:
+    """The fresh pool's first graph records nothing; dropped, it would give back the pool's
+    only use and the next segment's capture_begin would assert use_count > 0."""
+    x, mid = torch.ones(4, device="cuda"), torch.zeros(4, device="cuda")
+
+    @eager_break_during_capture
+    def first(y: torch.Tensor) -> None:
+        mid.copy_(y + 1)
+
+    backend = CudaGraphBackend(device="cuda")
+    backend.warm_up(lambda: mid * 3)
+    with BreakableCapture(backend) as capture:
+        first(x)
+        out = mid * 3
+    assert capture.layout == "EG"
+    x.fill_(2.0)
+    capture.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), torch.full((4,), 9.0))

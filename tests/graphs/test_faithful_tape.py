@@ -272,6 +272,40 @@ def test_without_retirement_the_reuse_goes_unseen(
     assert not _recapture_into_a_retired_pool()
 
 
+def test_an_empty_segment_still_takes_a_use_of_its_pool(no_cyclic_gc: None) -> None:
+    """CUDA's ``capture_begin`` takes a use of the pool even for a graph that records nothing,
+    and the graph's destructor gives it back: the pool model counts one use per segment begun."""
+    pool = PoolGraphs()
+    use = pool.take()
+    assert not pool.retired and pool.num_live == 1
+    del use  # an empty graph dropped: the fresh pool's only use is given back
+    assert pool.retired
+    with pytest.raises(CaptureError, match="retired"):
+        pool.require_recordable()
+
+
+def test_a_capture_that_starts_with_an_eager_break_records_into_its_fresh_pool(
+    no_cyclic_gc: None,
+) -> None:
+    """The first segment of a fresh pool is empty (the capture begins with a break): were its
+    graph dropped, the pool would have no use left and the next segment's ``capture_begin``
+    would assert on CUDA. The backend keeps it, so the capture and later ones record."""
+    backend, x, mid = TapeBackend(), torch.ones(4), torch.zeros(4)
+
+    @eager_break_during_capture
+    def first(y: torch.Tensor) -> None:
+        mid.copy_(y + 1)
+
+    capture, out = _capture(lambda: (first(x), mid * 3)[1], backend)
+    assert capture.layout == "EG"
+    x.fill_(2.0)
+    capture.replay()
+    assert torch.equal(out, torch.full((4,), 9.0))
+    again, out2 = _capture(lambda: (first(x), mid * 5)[1], backend)
+    again.replay()
+    assert torch.equal(out2, torch.full((4,), 15.0))
+
+
 def test_a_pool_with_a_live_graph_takes_more_captures(no_cyclic_gc: None) -> None:
     backend, x = TapeBackend(), torch.ones(3)
     first, out = _capture(lambda: x + 1, backend)

@@ -1,7 +1,8 @@
 """Legality on the tape: each class of illegal op raises ``CaptureError`` naming the op and line.
 
-Illegal inside a captured segment: host syncs, data-dependent output shapes and random ops. The
-same ops are fine in an eager break, which re-runs them (with fresh host decisions) on replay.
+Illegal inside a captured segment: host syncs, data-dependent output shapes, random ops and
+tensor literals (a copy from pageable host memory). The same ops are fine in an eager break,
+which re-runs them (with fresh host decisions) on replay.
 """
 
 from __future__ import annotations
@@ -36,15 +37,19 @@ ILLEGAL: dict[str, tuple[Program, str]] = {
     "dropout-train": (lambda x: F.dropout(x, 0.5, training=True), r"aten\.dropout"),
     "bernoulli": (lambda x: torch.bernoulli(x.sigmoid()), r"aten\.bernoulli"),
     "multinomial": (lambda x: torch.multinomial(x.softmax(-1), 1), r"aten\.multinomial"),
+    "tensor-literal": (lambda x: x + torch.tensor([1.0, 2.0, 3.0, 4.0]), r"aten\.lift_fresh"),
+    "device-literal": (lambda x: x * torch.tensor([2.0], device=x.device), r"aten\.lift_fresh"),
+    "index-literal": (lambda x: x[torch.tensor([2, 0])], r"aten\.lift_fresh"),
 }
 
+INDEX, REPEATS = torch.tensor([2, 0]), torch.tensor([1, 2])
+"""Made outside every capture: a literal inside one is a host-to-device copy (illegal)."""
+
 LEGAL: dict[str, Program] = {
-    "integer-index": lambda x: x[torch.tensor([2, 0])],
+    "integer-index": lambda x: x[INDEX],
     "dropout-eval": lambda x: F.dropout(x, 0.5, training=False),
-    "repeat_interleave-sized": lambda x: torch.repeat_interleave(
-        torch.tensor([1, 2]), output_size=3
-    ),
-    "one_hot-sized": lambda x: F.one_hot(torch.tensor([0, 2]), num_classes=4),
+    "repeat_interleave-sized": lambda x: torch.repeat_interleave(REPEATS, output_size=3),
+    "one_hot-sized": lambda x: F.one_hot(INDEX, num_classes=4),
     "masked_fill": lambda x: x.masked_fill(x > 0, 0.0),
     "where-three-args": lambda x: torch.where(x > 0, x, 0.0),
 }

@@ -151,9 +151,10 @@ def test_without_audit_a_new_fresh_index_tensor_makes_replay_diverge(
     assume(sorted(old) != sorted(new))
     generator = torch.Generator().manual_seed(sum(old) * 31 + sum(new))
     x, cache = torch.randn(T, 8, generator=generator), torch.zeros(S, 8)
+    index = _fresh_positions(old)
     with torch.inference_mode():
         with BreakableCapture(audit="off") as capture:
-            _write_cache(x, _fresh_positions(old), cache)
+            _write_cache(x, index, cache)
         cache.zero_()
         capture.replay()  # the runner built a new index tensor; the capture still reads the old
         expected_cache = torch.zeros(S, 8)

@@ -45,6 +45,18 @@ def test_padding_picks_the_smallest_captured_size_that_fits(
     assert padded == (min(fitting) if fitting else None)
 
 
+@given(
+    sizes=st.lists(st.integers(1, 64), min_size=1, max_size=8),
+    rows=st.integers(1, 80),
+)
+def test_the_sizes_serving_up_to_n_tokens_are_those_1_to_n_pad_to(
+    sizes: list[int], rows: int
+) -> None:
+    capture = CaptureSizes.of(sizes, max_num_tokens=64)
+    padded = {capture.padded(n) for n in range(1, rows + 1)} - {None}
+    assert capture.serving(rows) == tuple(sorted(padded))
+
+
 def test_a_size_no_step_can_carry_is_refused_before_anything_is_captured(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
