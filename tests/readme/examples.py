@@ -11,8 +11,11 @@ A block is placed by what it is, or by an HTML comment on the line before it:
   ``tests/platforms/test_plugin_package.py`` builds, installs and tests.
 - ``<!-- example: shell NAME -->``: command lines, run by ``test_shell_examples.py`` (or, for
   a block named in ``CLAIMED``, by the test module named there).
+- ``<!-- serving-doc: NAME -->``: a step of ``docs/serving.md``, which
+  ``tests/serve/test_serving_doc.py`` runs in order against a live server.
 
-Any other block is an example nobody runs: ``unplaced`` lists them, and a test fails on each.
+Any other block is an example nobody runs, and a test fails on each — except the few
+``NOT_RUN`` lists, each with the reason it cannot run and what checks it instead.
 The output examples of all pages run in order (README first, then ``docs/`` by name) in one
 scratch directory, as a reader would type them, in this process (``runners.cli.main.main`` is
 what the ``dsv4`` script calls).
@@ -42,7 +45,21 @@ CLAIMED = {
 """Shell blocks run by a test module of their own (which calls ``shell_block(NAME)``)."""
 
 _FENCE = re.compile(r"^```([a-z]*)\n(.*?)^```\n", re.DOTALL | re.MULTILINE)
-_MARKER = re.compile(r"<!-- example: (python|plugin|shell) (\S+) -->")
+_MARKER = re.compile(r"<!-- (?:example: (python|plugin|shell)|(serving)-doc:) (\S+) -->")
+NOT_RUN = {
+    ("docs/serving.md", "dsv4 serve: serving './tiny' on http://127.0.0.1:8000"): (
+        "the line the server block prints when ready; tests/serve waits for exactly it"
+    ),
+    (
+        "docs/serving.md",
+        '{"id":"cmpl-…","object":"text_completion","created":…,"model":"./tiny",',
+    ): ("the shape of a reply, elided (…); tests/serve checks every field of real replies"),
+    ("docs/benchmarks-serving.md", "dsv4 init-checkpoint ./tiny --preset tiny --seed 0"): (
+        "a record of a measurement that takes minutes; serving.md's marked bench blocks run "
+        "the same commands (transformers serve's under the slow marker)"
+    ),
+}
+"""Blocks nobody runs, by (page, the start of their first line): why, and what checks them."""
 _NUMBER = re.compile(r"\d+(\.\d+)?")
 
 
@@ -60,7 +77,7 @@ class Block:
     lang: str
     body: str
     kind: str
-    """``output``, ``python``, ``plugin``, ``shell`` or ``unplaced``."""
+    """``output``, ``python``, ``plugin``, ``shell``, ``serving``, ``not-run`` or ``unplaced``."""
     name: str
     start: int
     end: int
@@ -79,14 +96,21 @@ def blocks(page: Path) -> list[Block]:
         before = text[: match.start()].rstrip("\n").rpartition("\n")[2]
         marker = _MARKER.fullmatch(before.strip())
         if marker is not None:
-            kind, name = marker.group(1), marker.group(2)
+            kind, name = marker.group(1) or marker.group(2), marker.group(3)
         elif lang == "text" and body.startswith("$ dsv4 "):
             kind, name = "output", body.splitlines()[0]
+        elif _not_run(page, body):
+            kind, name = "not-run", body.splitlines()[0]
         else:
             kind, name = "unplaced", ""
         line = text.count("\n", 0, match.start()) + 1
         found.append(Block(page, line, lang, body, kind, name, match.start(), match.end()))
     return found
+
+
+def _not_run(page: Path, body: str) -> bool:
+    where = str(page.relative_to(ROOT))
+    return any(where == p and body.startswith(start) for p, start in NOT_RUN)
 
 
 def all_blocks(kind: str) -> list[Block]:

@@ -11,6 +11,7 @@ import pytest
 
 from tests.readme.examples import (
     CLAIMED,
+    NOT_RUN,
     ROOT,
     Example,
     Outputs,
@@ -23,8 +24,6 @@ from tests.readme.examples import (
 )
 
 EXAMPLES = examples()
-PENDING_PAGES = {"docs/serving.md"}
-"""Pages linked before they are written (another change adds them)."""
 _LINK = re.compile(r"\]\(([^)#\s]+)(#[^)\s]*)?\)")
 
 
@@ -55,6 +54,19 @@ def test_an_example_is_the_commands_real_output(example: Example, outputs: Outpu
     assert comparable(outputs.of(example)) == comparable(example.shown), (
         f"{example.block.where} is stale; regenerate with: python -m tests.readme.examples --write"
     )
+
+
+def test_every_block_not_run_is_still_on_its_page() -> None:
+    found = {(str(b.page.relative_to(ROOT)), b.name) for p in pages() for b in blocks(p)}
+    for page, start in NOT_RUN:
+        assert any(p == page and name.startswith(start) for p, name in found), (page, start)
+
+
+def test_the_serving_page_marks_its_steps_for_its_test() -> None:
+    serving = [b for b in all_blocks("serving")]
+    assert serving and {b.page.name for b in serving} == {"serving.md"}
+    runner = (ROOT / "tests/serve/test_serving_doc.py").read_text()
+    assert "<!-- serving-doc:" in runner
 
 
 def test_a_claimed_shell_block_is_run_by_its_test_module() -> None:
@@ -89,6 +101,6 @@ def test_every_relative_link_leads_to_a_file(page: Path) -> None:
         if "://" in target:
             continue
         path = (page.parent / target).resolve()
-        if not path.exists() and str(path.relative_to(ROOT)) not in PENDING_PAGES:
+        if not path.exists():
             broken.append(target)
     assert broken == []

@@ -33,6 +33,11 @@ NOT_INPUT_ERRORS = {
     "runners.distributed.RankFailedError",
     "runners.measure.hf_baseline.BaselineUnavailableError",
     "runners.measure.load_memory.LoadMemoryError",
+    "runners.measure.serving_load.ServerUnreachableError",
+    "runners.serve.engine_loop.EngineDeadError",
+    "runners.cli.serve.EngineFailedError",
+    # an HTTP error object the server sends (its status says whose fault), not raised to callers
+    "runners.serve.errors.ApiError",
 }
 
 
