@@ -5,7 +5,7 @@ kernel's setup) whatever work it does, so ``ops x the cost of an empty op`` is a
 code's time. ``OpCounter`` counts ops as the tape records them: a composite op that eager runs
 as its ``CompositeImplicitAutograd`` decomposition on the tensors' device (``linear``,
 ``einsum``, ``rms_norm`` on a CPU) counts as the ops of that decomposition, views included;
-an operator implemented in Python (``torch.library.custom_op``, such as the hyper-connections'
+an operator implemented in Python (``torch.library``, such as the hyper-connections'
 Sinkhorn rounds) counts as the ops its implementation runs; ops of a replayed tape count as the
 tape issues them (views and constants it does not replay are not issued).
 
@@ -28,7 +28,7 @@ __all__ = ["OpCounter"]
 
 _ATEN = frozenset({"aten", "prims"})
 _PYTHON_OPERATOR = torch._C.DispatchKey.CompositeExplicitAutograd
-"""Where ``torch.library.custom_op`` puts an operator's Python implementation."""
+"""Where an operator of Python code has its implementation (``torch.library``)."""
 
 
 class OpCounter(QuietDispatchMode):
