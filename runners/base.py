@@ -59,6 +59,7 @@ from dsv4.model import DeepseekV4ForCausalLM
 from graphs.audit import AuditFinding, AuditMode
 from graphs.backend import GraphBackend, PoolGraphs
 from graphs.forward_context import ForwardContext, forward_context
+from graphs.heap import collector_paused
 from graphs.strategies import EagerRegionStrategy
 from platforms.base import Platform
 from platforms.host_tensors import device_work
@@ -307,10 +308,11 @@ class ModelRunner(abc.ABC):
             held = self._held_widths()
             if key.width not in held and len(held) >= self.max_graph_contexts:
                 return None
-            for larger in reversed(self._sizes(key.mode)):
-                bigger = key._replace(num_tokens=larger)
-                if larger >= key.num_tokens and bigger not in self._graphs:
-                    self._graphs[bigger] = self._capture(bigger)
+            with collector_paused():  # recording makes objects by the ten thousand
+                for larger in reversed(self._sizes(key.mode)):
+                    bigger = key._replace(num_tokens=larger)
+                    if larger >= key.num_tokens and bigger not in self._graphs:
+                        self._graphs[bigger] = self._capture(bigger)
         return self._graphs[key]
 
     def _sizes(self, mode: CUDAGraphMode) -> tuple[int, ...]:
