@@ -75,11 +75,14 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         eos_token_ids: Sequence[int] = (),
         detokenize: Detokenize | None = None,
+        enable_prefix_caching: bool = True,
     ) -> None:
         """``max_num_batched_tokens``: the token budget of one step (default and upper bound:
         the executor's ``limits.max_num_tokens``); ``eos_token_ids``: the ids that end every
         request not ignoring EOS; ``detokenize``: token ids to text, for ``RequestOutput.text``
-        and stop strings (without it, a request with stop strings is refused)."""
+        and stop strings (without it, a request with stop strings is refused);
+        ``enable_prefix_caching``: share the blocks of equal prompt prefixes between requests
+        (``prefix_cache``), where the executor allows it (``limits.prefix_boundary``)."""
         self.executor = executor
         limits = executor.limits
         budget = limits.max_num_tokens if max_num_batched_tokens is None else max_num_batched_tokens
@@ -106,6 +109,7 @@ class LLM:
             num_entry_blocks=limits.num_entry_blocks,
             entry_rate=limits.entry_rate,
             lookback=limits.lookback,
+            prefix_boundary=limits.prefix_boundary if enable_prefix_caching else None,
         )
         self._processing = LogitsProcessing(limits.max_rows, limits.vocab_size)
         self._ids = itertools.count()
@@ -184,6 +188,7 @@ class LLM:
                 total_entry_blocks=s.entry_blocks.size,
                 released_blocks=s.num_released_blocks,
                 preemptions=s.num_preemptions,
+                prefix_cache=None if s.prefix_cache is None else s.prefix_cache.stats(),
             )
 
     def generate(

@@ -113,6 +113,7 @@ class Request:
     """Mutable engine-side state of one live request (see the module docstring)."""
 
     __slots__ = (
+        "block_hashes",
         "block_ids",
         "block_tuple",
         "entry_block_ids",
@@ -124,6 +125,7 @@ class Request:
         "num_computed",
         "params",
         "prompt_len",
+        "recorded_to",
         "released",
         "request_id",
         "row",
@@ -160,6 +162,11 @@ class Request:
         only when it changes."""
         self.entry_block_ids: list[int] = []
         self.entry_block_tuple: tuple[int, ...] = ()
+        self.block_hashes: list[bytes] = []
+        """Prefix-cache keys of the leading full blocks of ``token_ids`` (``prefix_cache``),
+        extended as they are needed; they depend on the tokens alone, so preemption keeps them."""
+        self.recorded_to = 0
+        """Positions whose complete blocks the prefix cache has keyed (or found) so far."""
         self.generator: torch.Generator | None = None
         self.text: IncrementalText | None = None
         if detokenize is not None and params.detokenize:

@@ -64,6 +64,7 @@ import attrs
 
 from runners.engine.block_pool import BlockPool
 from runners.engine.executor import ScheduledChunk
+from runners.engine.prefix_cache import Hit, PrefixCache
 from runners.engine.request import FinishReason, Request, RequestOutput
 
 __all__ = ["RELEASED_BLOCK", "ScheduledStep", "Scheduler"]
@@ -106,9 +107,11 @@ class Scheduler:
         num_entry_blocks: int | None = None,
         entry_rate: int = 1,
         lookback: int | None = None,
+        prefix_boundary: int | None = None,
     ) -> None:
         """``num_entry_blocks``: the entry pool (default: as many as ``num_blocks``);
-        ``entry_rate``: tokens per entry slot; ``lookback``: see the module docstring."""
+        ``entry_rate``: tokens per entry slot; ``lookback``: see the module docstring;
+        ``prefix_boundary``: where prefix-cache hits may end (``None``: no prefix cache)."""
         self.block_size = block_size
         self.token_budget = token_budget
         self.entry_rate = entry_rate
@@ -118,6 +121,16 @@ class Scheduler:
             num_blocks if num_entry_blocks is None else num_entry_blocks, what="entry block"
         )
         self.rows = BlockPool(max_rows, what="block-table row")
+        self.prefix_cache = None
+        if prefix_boundary is not None:
+            self.prefix_cache = PrefixCache(
+                blocks=self.blocks,
+                entry_blocks=self.entry_blocks,
+                block_size=block_size,
+                entry_rate=entry_rate,
+                boundary=prefix_boundary,
+                lookback=lookback,
+            )
         self.num_released_blocks = 0
         """Blocks given back by running requests so far (their positions left the lookback)."""
         self.waiting: deque[Request] = deque()
@@ -147,13 +160,16 @@ class Scheduler:
             return step if step.chunks else None
         while budget > 0 and self.waiting and self.rows.num_free > 0:
             request = self.waiting[0]
-            count = min(len(request.token_ids), budget)
-            if not self._fits(request, count):
+            hit = self.prefix_cache.lookup(request) if self.prefix_cache is not None else None
+            start = 0 if hit is None else hit.num_tokens
+            count = min(len(request.token_ids) - start, budget)
+            if not self._fits_admitted(request, hit, start + count):
                 break
             self.waiting.popleft()
             request.row = self.rows.allocate(1)[0]
             self.running.append(request)
-            self._grow(request, count)
+            self._take(request, hit)
+            self._grow(request, start + count)
             budget -= self._feed(step, request, count)
         return step if step.chunks else None
 
@@ -162,6 +178,8 @@ class Scheduler:
         the reason it could not be sampled (that request then finishes with an error)."""
         for chunk, request in zip(step.chunks, step.requests, strict=True):
             request.num_computed += chunk.num_tokens
+            if self.prefix_cache is not None:
+                self.prefix_cache.record(request)
             self._release_passed(request)
         finished: list[RequestOutput] = []
         requests = step.requests
@@ -220,6 +238,30 @@ class Scheduler:
     def _fits(self, request: Request, end: int) -> bool:
         blocks, entries = self._lacking(request, end)
         return blocks <= self.blocks.num_free and entries <= self.entry_blocks.num_free
+
+    def _fits_admitted(self, request: Request, hit: Hit | None, end: int) -> bool:
+        """Whether waiting ``request`` fits positions ``0 .. end-1`` after taking ``hit``: the
+        blocks it lacks beyond the hit, and the hit's idle blocks (taken off the free count)."""
+        if self.prefix_cache is None or hit is None:
+            return self._fits(request, end)
+        idle_blocks, idle_entries = self.prefix_cache.cost(hit)
+        blocks = self._blocks_for(end) - hit.num_tokens // self.block_size + idle_blocks
+        entries = self._entry_blocks_for(end) - len(hit.entry_block_ids) + idle_entries
+        return blocks <= self.blocks.num_free and entries <= self.entry_blocks.num_free
+
+    def _take(self, request: Request, hit: Hit | None) -> None:
+        """Start admitted ``request`` from ``hit``: it holds the hit's blocks as if it had
+        computed them (the ones before its lookback released) and computes from its end."""
+        if self.prefix_cache is None:
+            return
+        self.prefix_cache.take(request, hit)
+        if hit is not None:
+            request.num_computed = hit.num_tokens
+            request.released = hit.released
+            request.block_ids = list(hit.block_ids)
+            request.entry_block_ids = list(hit.entry_block_ids)
+            request.entry_block_tuple = hit.entry_block_ids
+            _retuple(request)
 
     def _make_room(self, request: Request, end: int) -> bool:
         """Give running ``request`` the blocks covering positions ``0 .. end-1``, preempting the
