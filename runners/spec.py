@@ -119,6 +119,9 @@ class EngineSpec:
     quantization: str = "auto"
     """How a quantized checkpoint loads: ``auto`` (weight-only), ``weight-only`` or
     ``dequantize`` (``load_checkpoint``); a plain checkpoint and the built-in model ignore it."""
+    enable_prefix_caching: bool = True
+    """Share the cache blocks of equal prompt prefixes between requests
+    (``runners.engine.prefix_cache``); off: every request computes its whole prompt."""
 
 
 @attrs.frozen(kw_only=True)
@@ -248,13 +251,15 @@ def build_engine(spec: EngineSpec, *, model: DeepseekV4ForCausalLM | None = None
 
 def llm_of(executor: StepExecutor, spec: EngineSpec, config: DeepseekV4Config) -> LLM:
     """The ``LLM`` over ``executor`` for a model of ``config`` from ``spec``'s checkpoint: it
-    stops at the checkpoint's EOS ids and decodes with its tokenizer."""
+    stops at the checkpoint's EOS ids, decodes with its tokenizer and caches prefixes as
+    ``spec`` says."""
     vocab = executor.limits.vocab_size
     tokenizer = tokenizer_of(spec.checkpoint, vocab)
     return LLM(
         executor,
         eos_token_ids=stop_token_ids(config.eos_token_id, spec.checkpoint, vocab_size=vocab),
         detokenize=None if tokenizer is None else tokenizer.decode,
+        enable_prefix_caching=spec.enable_prefix_caching,
     )
 
 

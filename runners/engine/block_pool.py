@@ -117,12 +117,18 @@ class BlockPool:
         return block in self._idle
 
     def set_key(self, block: int, key: Hashable) -> bool:
-        """Give held ``block`` the ``key`` of its contents, unless the key already names an id
-        or the block already has one (then nothing changes); return whether it took it."""
+        """Give held ``block`` the ``key`` of its contents; return whether it took it. A block
+        that has a key keeps it; a key held by another held block stays there; a key on an idle
+        block moves to ``block`` (the same contents, computed again), and the idle copy is
+        freed, so the copy a request holds is the one that survives eviction."""
         if self._refs[block] == 0:
             raise RuntimeError(f"{self.what} {block} is not held: only a held block gets a key")
-        if key in self._id_of or block in self._key_of:
+        other = self._id_of.get(key)
+        if block in self._key_of or (other is not None and self._refs[other] > 0):
             return False
+        if other is not None:
+            del self._idle[other], self._key_of[other]
+            self._free.append(other)
         self._key_of[block] = key
         self._id_of[key] = block
         return True

@@ -147,7 +147,11 @@ def run_trace(
     """Run ``prompts`` through the engine ``spec`` describes, recording every step."""
     engine = build_engine(spec, model=model)
     recorder = RecordingExecutor(engine.runner)
-    llm = LLM(recorder, max_num_batched_tokens=max_num_batched_tokens)
+    llm = LLM(
+        recorder,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_caching=spec.enable_prefix_caching,
+    )
     outputs = llm.generate(prompts, params)
     return Trace(
         resolution=engine.resolution,

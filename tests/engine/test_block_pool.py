@@ -92,10 +92,16 @@ def test_cached_pool_matches_a_model(size: int, ops: list[tuple[str, int]]) -> N
             model.release(group)
         elif op == "key" and held:
             block = held[n % len(held)]
-            took = pool.set_key(block, next_key)
-            assert took == (block not in model.keys)
+            key = next_key if n % 2 or not model.keys else sorted(model.keys.values())[0]
+            other = next((b for b, k in model.keys.items() if k == key), None)
+            took = pool.set_key(block, key)
+            assert took == (block not in model.keys and (other is None or model.refs[other] == 0))
             if took:
-                model.keys[block] = next_key
+                if other is not None:  # an idle copy gives its key up and is free
+                    del model.keys[other]
+                    model.idle.remove(other)
+                    model.free.append(other)
+                model.keys[block] = key
             next_key += 1
         elif op == "share" and model.keys:
             block = sorted(model.keys)[n % len(model.keys)]
@@ -126,3 +132,13 @@ def test_a_cached_block_is_findable_until_evicted_and_misuse_raises() -> None:
         pool.set_key(b, "B")
     with pytest.raises(RuntimeError, match="KV block 1 is free: nothing to share"):
         pool.share([b])
+
+
+def test_a_block_computed_again_takes_the_key_of_its_idle_copy() -> None:
+    pool = BlockPool(3)
+    old, held = pool.allocate(2)
+    assert pool.set_key(old, "A") and not pool.set_key(held, "A")  # both held: the first keeps it
+    pool.free([old])
+    assert pool.set_key(held, "A") and pool.find("A") == held  # the idle copy gives it up
+    assert pool.free_ids()[-1] == old and not pool.is_idle(old)  # and is handed out next
+    assert pool.allocate(1) == [old]
