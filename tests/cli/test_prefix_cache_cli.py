@@ -1,0 +1,42 @@
+"""``--enable-prefix-caching`` (the default) and ``--no-enable-prefix-caching`` on the engine
+commands; ``run --json`` reports what the cache found, and it changes no token."""
+
+from __future__ import annotations
+
+import pytest
+
+from runners.cli.main import build_parser
+from tests.cli.test_cli import CPU, FAST, _json
+
+SYSTEM = "You are a terse assistant. Answer in one word, and never explain the answer. Q:"
+"""79 bytes: the built-in model's tokens, so two prompts after it share 79 (its boundary: 64)."""
+PROMPTS = ["--prompt", f"{SYSTEM} red?", "--prompt", f"{SYSTEM} blue?", "--max-new-tokens", "6"]
+
+
+def test_run_reports_the_prefix_cache_and_off_changes_no_token(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    one_at_a_time = ["--max-num-seqs", "1"]  # the second prompt is admitted after the first
+    cached = _json(capsys, ["run", *PROMPTS, *FAST, *CPU, *one_at_a_time])
+    off = _json(
+        capsys, ["run", *PROMPTS, *FAST, *CPU, *one_at_a_time, "--no-enable-prefix-caching"]
+    )
+    assert cached["engine"]["prefix_cache"] == {
+        "enabled": True,
+        "queries": 2,
+        "hits": 1,
+        "query_tokens": 2 * len(SYSTEM) + len(" red?") + len(" blue?"),
+        "hit_tokens": 64,
+        "cached_blocks": 2,  # the block of positions 48..63, and the entry block of 0..63
+        "evicted_blocks": 0,
+    }
+    assert off["engine"]["prefix_cache"] == {"enabled": False}
+    assert [o["output_ids"] for o in cached["outputs"]] == [o["output_ids"] for o in off["outputs"]]
+
+
+@pytest.mark.parametrize("command", ["matrix", "bench", "serve"])
+def test_every_engine_command_takes_the_flag(command: str) -> None:
+    parser = build_parser()
+    args = parser.parse_args([command, "--no-enable-prefix-caching"])
+    assert args.enable_prefix_caching is False
+    assert parser.parse_args([command]).enable_prefix_caching is True
