@@ -5,12 +5,18 @@ Keys ``K_I[s]`` come from its own overlapping compressor at ``index_head_dim`` (
 the query position, not normalised. Weights ``w_h = weights_proj(x)[h] / sqrt(n_I)``. The
 score of entry ``s`` for query ``t`` is ``sum_h w_h * relu(q_I[h] . K_I[s]) / sqrt(c_I)`` in
 fp32; entries not yet complete score ``-inf``; the top ``min(index_topk, capacity)`` entries
-are selected and those that are not visible are marked invalid.
+are selected and those that are not visible are marked invalid. Among equal scores the entry
+with the lower index in the request (the earlier entry) wins, and selected entries come in
+descending order of score, then ascending index (``dsv4.selection.stable_topk``): exact ties
+are common (an entry scores 0.0 wherever every head's ReLU is zero), and the rule makes the
+choice independent of how wide the row is, so graphs of any context bucket, any prefill
+chunking and any batch choose alike.
 
 Selecting over the static capacity (the request's maximum context / m) instead of the number
 of entries that exist picks the same visible set as the reference (which takes
-``min(index_topk, existing)``), because invisible entries can only fill places left after every
-visible entry is taken. It keeps every shape static, so selection needs no host sync.
+``min(index_topk, existing)``), because invisible entries (``-inf``, below every visible
+score) can only fill places left after every visible entry is taken. It keeps every shape
+static, so selection needs no host sync.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from torch import nn
 from dsv4.layers import as_dtype
 from dsv4.pooling import WindowPooler
 from dsv4.rope import RotaryEmbedding, RotaryTables
+from dsv4.selection import stable_topk
 
 __all__ = ["Indexer", "IndexerScorer"]
 
@@ -76,9 +83,10 @@ class Indexer(WindowPooler):
         visible: torch.Tensor,
     ) -> torch.Tensor:
         """Selected entry indices ``[T, k]`` among the ``keys`` ``[T, capacity, c_I]`` of every
-        entry of each token's request, of which ``visible`` ``[T, capacity]`` are complete."""
+        entry of each token's request (column ``s`` is the request's entry ``s``), of which
+        ``visible`` ``[T, capacity]`` are complete; ties go to the lower entry index."""
         fp32 = torch.float32
         scores = torch.einsum("thd,tsd->ths", as_dtype(queries, fp32), as_dtype(keys, fp32))
         scores = (scores.relu_() * self.dim**-0.5 * weights.unsqueeze(-1)).sum(dim=1)
         scores = torch.where(visible, scores, float("-inf"))
-        return scores.topk(min(self.topk, keys.shape[1]), dim=-1).indices
+        return stable_topk(scores, min(self.topk, keys.shape[1]))

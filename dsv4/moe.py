@@ -3,9 +3,14 @@
 Routing scores are ``score_fn(router logits)`` (sqrt-softplus or sigmoid). ``moe`` layers pick
 the top ``num_experts_per_tok`` experts by score plus ``e_score_correction_bias`` (the bias only
 chooses; the weights are the unbiased scores); ``hash_moe`` layers pick the experts of a fixed
-token-id table ``tid2eid``. Chosen weights are normalised to sum to one and multiplied by
-``routed_scaling_factor``. Expert activations clamp the gate from above and the up projection
-on both sides at ``swiglu_limit``.
+token-id table ``tid2eid``. The top-k rule is ``dsv4.selection.stable_topk``'s: among equal
+biased scores the lower expert index wins, and the chosen experts come in descending order of
+biased score, then ascending index, whatever the batch, formulation or parallel size (an expert
+index is global: every rank routes with the whole router). Hash routing compares nothing: the
+table's row is the choice, in the table's order, and an expert listed twice is chosen twice
+(its weight counted twice, as in the reference). Chosen weights are normalised to sum to one
+and multiplied by ``routed_scaling_factor``. Expert activations clamp the gate from above and
+the up projection on both sides at ``swiglu_limit``.
 
 Experts run without data-dependent shapes or host syncs, so the MoE can be captured, in one of
 two static formulations chosen from the shapes (a host-constant decision, frozen per captured
@@ -33,6 +38,7 @@ from torch import nn
 from dsv4.config import DeepseekV4Config
 from dsv4.layers import as_dtype, read_rows
 from dsv4.parallel import SINGLE, TensorParallel
+from dsv4.selection import stable_topk
 
 __all__ = [
     "DENSE_CHUNK_BYTES",
@@ -219,7 +225,7 @@ class Router(nn.Module):
             experts = as_dtype(read_rows(self.tid2eid, input_ids), torch.int64)
         else:
             biased = scores + self.e_score_correction_bias
-            experts = torch.topk(biased, self.top_k, dim=-1, sorted=False).indices
+            experts = stable_topk(biased, self.top_k)
         weights = scores.gather(1, experts)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return experts, weights * self.scaling

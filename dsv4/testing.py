@@ -15,11 +15,15 @@ the runner tests and the platform conformance kit (``runners.testing``) all draw
 Configs are tiny (hidden <= 32, <= 3 layers) so one example costs well under a second, yet they
 mix all three layer types, windows shorter and longer than the prompts, CSA rates down to 1 and
 lowered HCA rates, YaRN on and off (in both RoPE parts), rotary fractions, ``o_groups``, MoE
-shapes, hash and top-k routing, both scoring functions, and >= 16 indexer heads: an entry
-scores exactly 0 when ReLU zeroes every head (probability about ``2**-heads`` per token and
-entry), and two such zeros straddling the top-k cut are a legitimate tie that ``torch.topk``
-breaks differently for different row lengths. With 8-10 heads, rate-1 CSA and 37-token prompts
-that happened.
+shapes, hash and top-k routing, and both scoring functions.
+
+They draw ties on purpose. An indexer entry scores exactly 0.0 when ReLU zeroes every head
+(probability about ``2**-heads`` per token and entry), so exact ties at the top-k cut are
+common with few heads, and every path must break them alike (``dsv4.selection``): configs draw
+1-4 indexer heads as often as 16-18, and ``random_model`` can zero the indexer's head weights
+(``INDEXER_WEIGHTS``: all but one head, or every head, so that every score is 0.0 and the tie
+rule alone chooses); ``ROUTER_WEIGHTS`` can make every expert score alike, so the tie rule
+alone routes.
 """
 
 from __future__ import annotations
@@ -43,15 +47,19 @@ from dsv4.weights import randomize_
 from graphs import ForwardContext, forward_context
 
 __all__ = [
+    "INDEXER_WEIGHTS",
+    "ROUTER_WEIGHTS",
     "VOCAB",
     "Chunk",
     "chunk_schedule",
     "chunk_sizes",
     "configs",
+    "indexer_weights",
     "layer_types",
     "prompt_batches",
     "prompts",
     "random_model",
+    "router_weights",
     "run_schedule",
     "yarns",
 ]
@@ -171,17 +179,50 @@ def _shuffled_blocks(needs: Sequence[int], rng: random.Random) -> tuple[list[tup
     return blocks, len(pool)
 
 
+INDEXER_WEIGHTS = ("random", "one-head", "zero")
+"""How ``random_model`` draws each indexer's head weights (``scorer.weights_proj``): like every
+other matrix; all rows but the first zero (an entry scores 0.0 wherever one ReLU is zero, half
+of them); or every row zero (every score is 0.0: the tie rule alone chooses)."""
+
+ROUTER_WEIGHTS = ("random", "equal")
+"""How ``random_model`` draws each router: like every other matrix, or a zero row for every
+expert and no score correction, so every expert scores exactly alike (a zero logit in any batch
+shape; equal non-zero rows would not do: a one-row ``F.linear`` rounds identical rows
+differently) and the tie rule alone routes."""
+
+
 def random_model(
     config: DeepseekV4Config,
     seed: int,
     device: torch.device | str = "cpu",
     parallel: TensorParallel = SINGLE,
+    *,
+    indexer: str = "random",
+    router: str = "random",
 ) -> DeepseekV4ForCausalLM:
-    """A model of ``config`` with random unit-scale weights, a pure function of ``seed``; with
-    ``parallel``, rank ``parallel``'s share of that same model (``shard_model``)."""
+    """A model of ``config`` with random unit-scale weights, a pure function of ``seed``,
+    ``indexer`` (``INDEXER_WEIGHTS``) and ``router`` (``ROUTER_WEIGHTS``); with ``parallel``,
+    rank ``parallel``'s share of that same model (``shard_model``)."""
+    if indexer not in INDEXER_WEIGHTS or router not in ROUTER_WEIGHTS:
+        raise ValueError(f"unknown weight draw: indexer {indexer!r}, router {router!r}")
     model = DeepseekV4ForCausalLM(config, device=device)
     randomize_(model, seed, num_experts=config.n_routed_experts)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if indexer != "random" and name.endswith("indexer.scorer.weights_proj.weight"):
+                parameter[0 if indexer == "zero" else 1 :].zero_()
+            if router == "equal" and name.endswith("mlp.gate.weight"):
+                parameter.zero_()
+        for name, buffer in model.named_buffers():
+            if router == "equal" and name.endswith("e_score_correction_bias"):
+                buffer.zero_()
     return model.eval() if parallel.size == 1 else shard_model(model, parallel)
+
+
+indexer_weights = st.sampled_from(INDEXER_WEIGHTS)
+"""Draws ``random_model``'s ``indexer`` argument."""
+router_weights = st.sampled_from(ROUTER_WEIGHTS)
+"""Draws ``random_model``'s ``router`` argument."""
 
 
 yarns = st.none() | st.builds(
@@ -229,7 +270,7 @@ def configs(draw: st.DrawFn, *, max_layers: int = 3, parallel: int = 1) -> Deeps
         layer_types=tuple(draw(layer_types(layers))),
         compress_rate_csa=draw(st.integers(1, 4)),
         compress_rate_hca=draw(st.integers(2, 8)),
-        index_n_heads=draw(st.integers(16, 18)),
+        index_n_heads=draw(st.integers(1, 4) | st.integers(16, 18)),
         index_head_dim=draw(st.sampled_from([d for d in (8, 12) if d >= rope_dim])),
         index_topk=draw(st.integers(1, 6)),
         rope_theta=draw(st.sampled_from([10000.0, 500.0])),

@@ -121,10 +121,13 @@ class Workload:
         *,
         seed: int,
         max_new_tokens: int,
+        indexer: str = "random",
+        router: str = "random",
     ) -> Workload:
-        """Build the model (weights from ``seed``) and run the eager reference; an eager run
-        that raises is an ``AssertionError`` naming the platform."""
-        model = random_model(config, seed, platform.device)
+        """Build the model (weights from ``seed``, ``indexer`` and ``router``: see
+        ``dsv4.testing.random_model``) and run the eager reference; an eager run that raises is
+        an ``AssertionError`` naming the platform."""
+        model = random_model(config, seed, platform.device, indexer=indexer, router=router)
         frozen = tuple(tuple(p) for p in prompts)
         params = SamplingParams(max_tokens=max_new_tokens, ignore_eos=True, detokenize=False)
         spec = attrs.evolve(engine_spec(platform), cudagraph_mode="NONE")

@@ -5,7 +5,10 @@
   the failure lists every one that differs, so its pattern (only narrow regions, only FULL
   graphs) points at the wrong claim.
 - ``random_search``: hypothesis draws a tiny model, a batch, weights and one allowed
-  configuration per example, under ``kit_settings()``; the first failure is reported.
+  configuration per example, under ``kit_settings()``; the first failure is reported. The
+  models tie on purpose (few indexer heads, zeroed indexer head weights: ``dsv4.testing``), so
+  a configuration that breaks equal scores differently from eager (a different context width,
+  chunking or batch) fails.
 
 Invariants: both compare with an eager run of the same model and prompts on the same platform;
 every failure is an ``AssertionError`` naming the platform, the configuration, the prompt and the
@@ -31,7 +34,13 @@ from runners.testing.checks import (
     platform_label,
 )
 from runners.testing.settings import kit_settings
-from runners.testing.strategies import FIXED_PROMPTS, configs, fixed_config, prompt_batches
+from runners.testing.strategies import (
+    FIXED_PROMPTS,
+    configs,
+    fixed_config,
+    indexer_weights,
+    prompt_batches,
+)
 
 __all__ = ["deterministic_pass", "random_search"]
 
@@ -77,21 +86,31 @@ def random_search(
         config=configs(),
         prompts=prompt_batches(),
         seed=st.integers(0, 2**16),
+        indexer=indexer_weights,
         configuration=st.sampled_from(list(configurations)),
     )
     def search(
-        config: DeepseekV4Config, prompts: list[list[int]], seed: int, configuration: Configuration
+        config: DeepseekV4Config,
+        prompts: list[list[int]],
+        seed: int,
+        indexer: str,
+        configuration: Configuration,
     ) -> None:
         with torch_threads(1):
             workload = Workload.build(
-                platform, config, prompts, seed=seed, max_new_tokens=max_new_tokens
+                platform,
+                config,
+                prompts,
+                seed=seed,
+                max_new_tokens=max_new_tokens,
+                indexer=indexer,
             )
             difference = check_configuration(configuration, workload, atol=atol)
         if difference is not None:
             raise AssertionError(
                 f"{platform_label(platform)}: {configuration}: random model (layers "
-                f"{list(config.layer_types)}, weights seed {seed}), prompts {prompts}: "
-                f"{difference}"
+                f"{list(config.layer_types)}, {config.index_n_heads} indexer heads, weights "
+                f"seed {seed}, indexer weights {indexer!r}), prompts {prompts}: {difference}"
             ) from difference.error
 
     search()

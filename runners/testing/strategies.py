@@ -10,9 +10,16 @@ every layer type, window eviction and both compressors are exercised.
 from __future__ import annotations
 
 from dsv4.config import CSA, HCA, SLIDING, DeepseekV4Config
-from dsv4.testing import VOCAB, configs, prompt_batches
+from dsv4.testing import VOCAB, configs, indexer_weights, prompt_batches
 
-__all__ = ["FIXED_PROMPTS", "VOCAB", "configs", "fixed_config", "prompt_batches"]
+__all__ = [
+    "FIXED_PROMPTS",
+    "VOCAB",
+    "configs",
+    "fixed_config",
+    "indexer_weights",
+    "prompt_batches",
+]
 
 FIXED_PROMPTS: tuple[tuple[int, ...], ...] = (
     (5, 17, 42, 8, 61, 3, 29, 11, 50, 2, 36),
@@ -24,7 +31,9 @@ both compression rates), 1 (decode from the start) and 5 (padding to a captured 
 
 
 def fixed_config() -> DeepseekV4Config:
-    """The deterministic pass's model: all three layer types, both MoE kinds, two streams."""
+    """The deterministic pass's model: all three layer types, both MoE kinds, two streams, and
+    two indexer heads, so exact ties at the top-k cut occur in its prompts (a configuration
+    that breaks them otherwise than eager, at another context width, fails here)."""
     return DeepseekV4Config(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -39,7 +48,7 @@ def fixed_config() -> DeepseekV4Config:
         layer_types=(SLIDING, CSA, HCA),
         compress_rate_csa=2,
         compress_rate_hca=4,
-        index_n_heads=8,
+        index_n_heads=2,
         index_head_dim=8,
         index_topk=2,
         hc_mult=2,

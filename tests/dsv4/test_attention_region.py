@@ -24,7 +24,7 @@ from dsv4.attention import DeepseekV4Attention
 from dsv4.cache import allocate_kv_caches, entry_rate
 from dsv4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from dsv4.metadata import new_metadata
-from dsv4.testing import Chunk, configs, random_model
+from dsv4.testing import Chunk, configs, indexer_weights, random_model
 from graphs import (
     STRATEGIES,
     CaptureError,
@@ -45,9 +45,10 @@ def _run_layer(
     hidden: torch.Tensor,
     layer: int,
     seed: int,
+    indexer: str = "random",
 ) -> torch.Tensor:
     """Output of attention layer ``layer`` for one step on fresh (zeroed) caches."""
-    attention = random_model(config, seed).attention_layers()[layer]
+    attention = random_model(config, seed, indexer=indexer).attention_layers()[layer]
     caches = allocate_kv_caches(config, num_blocks=32, block_size=BLOCK)
     metadata, positions = new_metadata(
         chunks,
@@ -80,16 +81,22 @@ def _chunks(starts: list[int], sizes: list[int]) -> list[Chunk]:
     config=configs(max_layers=3),
     layer_pick=st.integers(0, 2),
     starts=st.lists(st.integers(0, 20), min_size=1, max_size=3),
+    indexer=indexer_weights,
     data=st.data(),
 )
 def test_every_strategy_gives_bitwise_identical_output(
-    config: DeepseekV4Config, layer_pick: int, starts: list[int], data: st.DataObject
+    config: DeepseekV4Config,
+    layer_pick: int,
+    starts: list[int],
+    indexer: str,
+    data: st.DataObject,
 ) -> None:
     sizes = [data.draw(st.integers(1, 32 - s)) for s in starts]
     tokens = sum(sizes) + 2  # two padded tokens
     hidden = torch.randn(tokens, config.hidden_size, generator=torch.Generator().manual_seed(1))
     layer = layer_pick % config.num_hidden_layers
-    outputs = [_run_layer(config, s, _chunks(starts, sizes), hidden, layer, 3) for s in STRATEGIES]
+    chunks = _chunks(starts, sizes)
+    outputs = [_run_layer(config, s, chunks, hidden, layer, 3, indexer) for s in STRATEGIES]
     for output in outputs[1:]:
         assert torch.equal(output, outputs[0])
 

@@ -1,4 +1,5 @@
-"""The MoE's two static formulations compute the same function.
+"""The MoE's two static formulations compute the same function; the router's top-k gives
+equal scores to the lower expert index, alone or batched.
 
 ``Experts`` runs every expert and gathers the chosen outputs when ``E <= 2 * T * k``, else runs
 each token on its gathered expert weights; whole-model tests against transformers mostly see the
@@ -8,12 +9,14 @@ per-token loop over the chosen experts written straight from the definition.
 
 from __future__ import annotations
 
+import attrs
 import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dsv4.moe import Experts
+from dsv4.config import DeepseekV4Config
+from dsv4.moe import Experts, Router
 
 
 def _by_definition(
@@ -61,3 +64,78 @@ def test_both_formulations_equal_the_definition(
         torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-5)
     uses_dense = num_experts <= 2 * tokens * k
     assert torch.equal(chosen, dense if uses_dense else gathered)
+
+
+def _reference_choice(router: Router, x: torch.Tensor, k: int) -> list[list[int]]:
+    """Biased score descending, then expert index ascending, from the scores ``router`` sees
+    for this batch (same shapes, so the same bits)."""
+    logits = F.linear(x, router.weight)
+    if router.scoring_func == "sigmoid":
+        scores = torch.sigmoid(logits)
+    else:
+        scores = F.softplus(logits).sqrt()
+    biased = (scores + router.e_score_correction_bias).tolist()
+    return [sorted(range(len(row)), key=lambda e: (-row[e], e))[:k] for row in biased]
+
+
+@given(
+    num_experts=st.integers(2, 9),
+    tokens=st.integers(1, 6),
+    data=st.data(),
+    seed=st.integers(0, 2**16),
+    scoring=st.sampled_from(["sqrtsoftplus", "sigmoid"]),
+)
+def test_equal_router_scores_go_to_the_lower_expert_alone_or_batched(
+    num_experts: int, tokens: int, data: st.DataObject, seed: int, scoring: str
+) -> None:
+    """Experts with a zero router row and the same correction bias score exactly alike in any
+    batch (a zero row gives a zero logit whatever the matmul's shape; equal non-zero rows need
+    not: a one-row ``F.linear`` rounds identical rows differently). The chosen experts follow
+    the rule (biased score descending, then the lower expert index), and a token routes the
+    same alone as in its batch."""
+    k = data.draw(st.integers(1, num_experts), label="k")
+    zero = data.draw(st.lists(st.booleans(), min_size=num_experts, max_size=num_experts))
+    bias = data.draw(
+        st.lists(st.sampled_from([0.0, 0.25]), min_size=num_experts, max_size=num_experts)
+    )
+    config = attrs.evolve(
+        DeepseekV4Config.tiny(),
+        n_routed_experts=num_experts,
+        num_experts_per_tok=k,
+        scoring_func=scoring,
+    )
+    router = Router(config, hashed=False)
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randn(num_experts, config.hidden_size, generator=generator)
+    with torch.no_grad():
+        router.weight.copy_(torch.where(torch.tensor(zero).unsqueeze(1), 0.0, rows))
+        router.e_score_correction_bias.copy_(torch.tensor(bias))
+    x = torch.randn(tokens, config.hidden_size, generator=generator)
+    ids = torch.zeros(tokens, dtype=torch.long)
+    with torch.inference_mode():
+        experts, weights = router(x, ids)
+        assert experts.tolist() == _reference_choice(router, x, k)
+        for t in range(tokens):
+            alone_experts, alone_weights = router(x[t : t + 1], ids[:1])
+            assert alone_experts.tolist() == _reference_choice(router, x[t : t + 1], k)
+            assert torch.equal(alone_experts[0], experts[t])
+            torch.testing.assert_close(alone_weights[0], weights[t])
+
+
+def test_hash_routing_keeps_the_table_order_and_repeats() -> None:
+    """Hash routing compares nothing: a token's experts are its table row, in order, and an
+    expert listed twice counts twice (as in transformers)."""
+    config = attrs.evolve(DeepseekV4Config.tiny(), n_routed_experts=4, num_experts_per_tok=3)
+    router = Router(config, hashed=True)
+    with torch.no_grad():
+        router.weight.copy_(
+            torch.randn(router.weight.shape, generator=torch.Generator().manual_seed(0))
+        )
+        router.tid2eid[5] = torch.tensor([3, 1, 3])
+    x = torch.randn(1, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        experts, weights = router(x, torch.tensor([5]))
+    assert experts.tolist() == [[3, 1, 3]]
+    scores = F.softplus(F.linear(x, router.weight)).sqrt()[0]
+    expected = scores[[3, 1, 3]] / scores[[3, 1, 3]].sum() * config.routed_scaling_factor
+    torch.testing.assert_close(weights[0], expected)

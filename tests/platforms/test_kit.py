@@ -190,7 +190,8 @@ def test_the_random_search_names_the_model_and_the_configuration() -> None:
     with pytest.raises(
         AssertionError,
         match=r"^platform nocapture \(on its cpu device\): runner v[12], graph mode \w+, "
-        r"region [\w-]+ \(resolved: [^)]*\): random model \(layers \[.*\], weights seed \d+\), "
+        r"region [\w-]+ \(resolved: [^)]*\): random model \(layers \[.*\], \d+ indexer heads, "
+        r"weights seed \d+, indexer weights '[\w-]+'\), "
         r"prompts \[\[[\d, \[\]]+\]\]: raised RuntimeError: this device cannot record graphs\n",
     ):
         random_search(CaptureFailsPlatform(), graphs, atol=None, max_new_tokens=2)
