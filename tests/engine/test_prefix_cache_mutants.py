@@ -28,9 +28,9 @@ import pytest
 
 from runners.engine import prefix_cache
 from runners.engine.block_pool import BlockPool
+from runners.engine.kv_blocks import KVBlocks, _retuple
 from runners.engine.prefix_cache import PrefixCache
 from runners.engine.request import Request
-from runners.engine.scheduler import Scheduler, _retuple
 from tests.engine.test_prefix_cache_lockstep import CONFIG, RUNNERS, CachingAgainstPlain
 
 T = [(5 * i + 7) % CONFIG.vocab_size for i in range(24)]
@@ -44,7 +44,7 @@ def hash_without_parent(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def block_reused_past_its_lookback(monkeypatch: pytest.MonkeyPatch) -> None:
-    def release_passed(self: Scheduler, request: Request) -> None:
+    def release_passed(self: KVBlocks, request: Request) -> None:
         assert self.lookback is not None
         passed = max(0, request.num_computed - self.lookback + 1) // self.block_size
         released = request.block_ids[: passed - request.released]
@@ -65,7 +65,7 @@ def block_reused_past_its_lookback(monkeypatch: pytest.MonkeyPatch) -> None:
             self._idle.pop(block, None)
             self._refs[block] += 1
 
-    monkeypatch.setattr(Scheduler, "_release_passed", release_passed)
+    monkeypatch.setattr(KVBlocks, "release_passed", release_passed)
     monkeypatch.setattr(BlockPool, "share", share)
 
 
