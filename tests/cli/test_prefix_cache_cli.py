@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from runners.cli.main import build_parser
-from tests.cli.test_cli import CPU, FAST, _json
+from tests.cli.test_cli import CPU, FAST, _error, _json
 
 SYSTEM = "You are a terse assistant. Answer in one word, and never explain the answer. Q:"
 """79 bytes: the built-in model's tokens, so two prompts after it share 79 (its boundary: 64)."""
@@ -40,3 +40,24 @@ def test_every_engine_command_takes_the_flag(command: str) -> None:
     args = parser.parse_args([command, "--no-enable-prefix-caching"])
     assert args.enable_prefix_caching is False
     assert parser.parse_args([command]).enable_prefix_caching is True
+
+
+def test_bench_times_the_first_token_with_and_without_the_cache(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every timed request finds the whole shared prefix (a multiple of the boundary, 64) and
+    computes only its own tokens; the ratio is of the medians reported (no figure is asserted)."""
+    args = ["--shared-prefix-len", "128", "--suffix-len", "8", "--repeats", "2", "--threads", "1"]
+    measured = _json(capsys, ["bench", "--prefix-cache-ttft", *args, *CPU])["prefix_cache_ttft"]
+    assert (measured["hits"], measured["hit_tokens_per_request"]) == (2, 128)
+    assert measured["computed_tokens"] == {"cached": 8, "uncached": 136}
+    ttft = measured["ttft_ms"]
+    assert measured["ratio"] == round(ttft["cached"] / ttft["uncached"], 4)
+    assert measured["computed_ratio"] == round(8 / 136, 4)
+
+
+def test_bench_refuses_two_thread_counts_for_the_prefix_cache(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, line = _error(capsys, ["bench", "--prefix-cache-ttft", "--threads", "1,2"])
+    assert code == 2 and "one thread count" in line
