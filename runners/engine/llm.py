@@ -19,6 +19,9 @@ Invariants:
 - Running out of KV blocks is not an error: requests are admitted by the blocks their next step
   needs, and when the blocks run out the newest running request is preempted and later
   recomputed (see ``scheduler``). Its output is the one it would have had without preemption.
+- With prefix caching (the default, where the executor allows it), a request admitted starts
+  from the longest prefix of its tokens another request computed (``prefix_cache``); its output
+  is the one it would have had without the cache.
 - One re-entrant lock serialises the public methods (see ``LLM``), so one engine may be shared
   by threads.
 - Host work per step is proportional to the number of chunks, not to the tokens fed (prefill
