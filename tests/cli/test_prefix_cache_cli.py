@@ -61,3 +61,15 @@ def test_bench_refuses_two_thread_counts_for_the_prefix_cache(
 ) -> None:
     code, line = _error(capsys, ["bench", "--prefix-cache-ttft", "--threads", "1,2"])
     assert code == 2 and "one thread count" in line
+
+
+def test_every_rank_caches_alike(capsys: pytest.CaptureFixture[str]) -> None:
+    """Two ranks each schedule the same steps (the scheduling is host-side and the keys are
+    sha256, not a per-process hash), so both find the same 64 tokens and give one rank's
+    tokens."""
+    argv = ["run", *PROMPTS, *FAST, *CPU, "--max-num-seqs", "1"]
+    one = _json(capsys, argv)
+    two = _json(capsys, [*argv, "--tensor-parallel-size", "2"])
+    assert two["engine"]["prefix_cache"] == one["engine"]["prefix_cache"]
+    assert one["engine"]["prefix_cache"]["hit_tokens"] == 64
+    assert [o["output_ids"] for o in two["outputs"]] == [o["output_ids"] for o in one["outputs"]]
