@@ -1,11 +1,14 @@
 """``--enable-prefix-caching`` (the default) and ``--no-enable-prefix-caching`` on the engine
-commands; ``run --json`` reports what the cache found, and it changes no token."""
+commands; ``run --json`` reports what the cache found, and it changes no token, on one rank or
+two, on a quantized checkpoint too; ``bench --prefix-cache-ttft`` measures it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from runners.cli.main import build_parser
+from runners.cli.main import build_parser, main
 from tests.cli.test_cli import CPU, FAST, _error, _json
 
 SYSTEM = "You are a terse assistant. Answer in one word, and never explain the answer. Q:"
@@ -73,3 +76,19 @@ def test_every_rank_caches_alike(capsys: pytest.CaptureFixture[str]) -> None:
     assert two["engine"]["prefix_cache"] == one["engine"]["prefix_cache"]
     assert one["engine"]["prefix_cache"]["hit_tokens"] == 64
     assert [o["output_ids"] for o in two["outputs"]] == [o["output_ids"] for o in one["outputs"]]
+
+
+def test_a_quantized_checkpoint_caches_alike(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """FP8 linears and MXFP4 experts, loaded weight-only: the cache is block bookkeeping, so
+    it finds the same 64 tokens and changes no token."""
+    directory = tmp_path / "fp4"
+    assert main(["init-checkpoint", str(directory), "--quantization", "fp8-fp4"]) == 0
+    capsys.readouterr()
+    ids = [f"--prompt-ids={','.join(map(str, (SYSTEM + q).encode()))}" for q in (" red?", " blue?")]
+    argv = ["run", *ids, "--checkpoint", str(directory), *FAST, *CPU, "--max-num-seqs", "1"]
+    cached = _json(capsys, [*argv, "--max-new-tokens", "4"])
+    off = _json(capsys, [*argv, "--max-new-tokens", "4", "--no-enable-prefix-caching"])
+    assert cached["engine"]["prefix_cache"]["hit_tokens"] == 64
+    assert [o["output_ids"] for o in cached["outputs"]] == [o["output_ids"] for o in off["outputs"]]
