@@ -5,6 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 HYPOTHESIS_PROFILE ?= ci
+PYTEST_WORKERS ?= 2
 PYTEST_ARGS ?=
 
 .PHONY: run test lint typecheck bench clean
@@ -28,8 +29,10 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# Two workers (pytest-xdist; tests sharing a module fixture stay together), the 15 slowest shown.
 test: $(STAMP) lint typecheck
-	HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) \
+		--dist loadgroup --durations=15 $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/dsv4 bench

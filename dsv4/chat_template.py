@@ -22,10 +22,12 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from graphs.errors import InputError
+
 __all__ = ["ChatTemplateError", "render_chat_template"]
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(InputError, ValueError):
     """The chat template does not compile or fails while rendering."""
 
 

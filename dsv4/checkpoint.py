@@ -43,13 +43,15 @@ from safetensors.torch import save_file
 
 from dsv4.config import DeepseekV4Config
 from dsv4.dtypes import dtype_name
-from dsv4.errors import CheckpointError
+from dsv4.errors import CheckpointError, TensorValueError
 from dsv4.hf_config import load_config, save_config
 from dsv4.load_progress import LoadTally, ProgressOption
 from dsv4.model import DeepseekV4ForCausalLM
 from dsv4.parallel import SINGLE, TensorParallel
+from dsv4.quantized_loading import load_quantized, plan_quantized
 from dsv4.shard_reader import Entry, ShardReader, Stored, element_bits, index_chunks
 from dsv4.sharding import RankShare, Split
+from dsv4.tensor_names import canonical_name
 from dsv4.weights import randomize_
 
 __all__ = [
@@ -60,36 +62,6 @@ __all__ = [
     "save_random_checkpoint",
 ]
 
-_RENAMES = tuple(
-    (re.compile(pattern), replacement)
-    for pattern, replacement in (
-        (r"\.attn\.", ".self_attn."),
-        (r"\.ffn\.", ".mlp."),
-        (r"\.indexer\.compressor\.", ".compressor.indexer."),
-        (r"^embed\.weight$", "embed_tokens.weight"),
-        (r"^head\.weight$", "lm_head.weight"),
-        (r"^hc_head_(fn|base|scale)$", r"hc_head.hc_\1"),
-        (r"\.attn_norm\.", ".input_layernorm."),
-        (r"\.ffn_norm\.", ".post_attention_layernorm."),
-        (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"),
-        (r"\.attn_sink$", ".sinks"),
-        (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
-        (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."),
-        (r"\.norm\.", ".kv_norm."),
-        (r"\.ape$", ".position_bias"),
-        (r"\.wq_a\.", ".q_a_proj."),
-        (r"\.wq_b\.", ".q_b_proj."),
-        (r"\.wkv\.", ".kv_proj."),
-        (r"\.wgate\.", ".gate_proj."),
-        (r"\.wo_a\.", ".o_a_proj."),
-        (r"\.wo_b\.", ".o_b_proj."),
-        (r"\.q_norm\.", ".q_a_norm."),
-        (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
-        (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
-        (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
-        (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
-    )
-)
 _EXPERT_PIECE = re.compile(
     r"^(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<w>w[123])\.weight$"
 )
@@ -105,24 +77,6 @@ _MAX_CHUNK = 64 * 2**20
 _DEQUANTIZE_BYTES = 16
 """Bytes of temporaries per value a block of dequantization holds (codes unpacked to float32,
 their scales, the float32 product), so such a block stays within the chunk budget."""
-
-
-class TensorValueError(CheckpointError):
-    """A tensor of the right name, dtype and shape whose values the model cannot run with."""
-
-    def __init__(self, tensor: str, file: str, reason: str) -> None:
-        self.tensor = tensor
-        self.file = file
-        self.reason = reason
-        super().__init__(f"tensor {tensor!r} in {file} {reason}")
-
-
-def canonical_name(name: str) -> str:
-    """The Hugging Face name of a tensor named in any supported layout."""
-    bare = name.removeprefix("model.")
-    for pattern, replacement in _RENAMES:
-        bare = pattern.sub(replacement, bare)
-    return bare if bare.startswith("lm_head.") else f"model.{bare}"
 
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -342,8 +296,6 @@ def load_checkpoint(
     (``dsv4.sharding``; the stored tensors are the full model's); a size that does not split
     the model raises ``dsv4.parallel.ParallelSizeError``, a quantized part that does not fit its
     scale blocks ``QuantizationError``, each on one line."""
-    from dsv4.quantized_loading import load_quantized, plan_quantized  # it imports this module
-
     directory = Path(directory)
     config = load_config(directory)
     model = DeepseekV4ForCausalLM(

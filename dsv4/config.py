@@ -3,8 +3,9 @@
 Field names follow the Hugging Face ``config.json`` of DeepSeek-V4 (transformers 5.23.0) so a
 reader can map one to the other; the two per-type compression rates and the two RoPE parts are
 flattened into plain fields (``compress_rate_csa``/``compress_rate_hca``, ``main_yarn`` /
-``compress_yarn``). ``from_hf_dict``/``to_hf_dict``/``from_json_file`` convert from and to the
-Hugging Face layout (see ``dsv4.hf_config``), including its legacy spellings.
+``compress_yarn``). ``dsv4.hf_config`` (the floor above: it reads and writes this value)
+converts from and to the Hugging Face layout, including its legacy spellings
+(``config_from_hf_dict``, ``config_to_hf_dict``, ``read_config_file``).
 
 Invariants (checked at construction, violations raise ``ConfigError`` naming the field):
 - ``layer_types``/``mlp_layer_types`` have one known entry per layer;
@@ -16,8 +17,6 @@ Invariants (checked at construction, violations raise ``ConfigError`` naming the
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -138,27 +137,6 @@ class DeepseekV4Config:
     def compress_rate(self, layer_type: str) -> int:
         """Compression rate of a CSA or HCA layer."""
         return self.compress_rate_csa if layer_type == CSA else self.compress_rate_hca
-
-    # -- conversions -------------------------------------------------------------------------
-    @classmethod
-    def from_hf_dict(cls, raw: Mapping[str, Any]) -> DeepseekV4Config:
-        """Read a Hugging Face ``config.json`` dict (legacy spellings included)."""
-        from dsv4.hf_config import config_from_hf_dict
-
-        return config_from_hf_dict(raw)
-
-    @classmethod
-    def from_json_file(cls, path: str | Path) -> DeepseekV4Config:
-        """Read a Hugging Face ``config.json`` file (``dsv4.hf_config`` owns the format)."""
-        from dsv4.hf_config import read_config_file
-
-        return read_config_file(path)
-
-    def to_hf_dict(self) -> dict[str, Any]:
-        """The Hugging Face ``config.json`` dict; ``transformers`` reads it to the same model."""
-        from dsv4.hf_config import config_to_hf_dict
-
-        return config_to_hf_dict(self)
 
     @classmethod
     def tiny(cls) -> DeepseekV4Config:

@@ -20,6 +20,8 @@ import json
 import warnings
 from pathlib import Path
 
+from graphs.errors import InputError
+
 __all__ = [
     "GENERATION_CONFIG_FILE",
     "GenerationConfigError",
@@ -31,7 +33,7 @@ __all__ = [
 GENERATION_CONFIG_FILE = "generation_config.json"
 
 
-class GenerationConfigError(ValueError):
+class GenerationConfigError(InputError, ValueError):
     """An ``eos_token_id`` that is not a token id, or a generation config that does not parse."""
 
 

@@ -5,24 +5,22 @@ after each stored tensor is consumed (a quantized weight and its scale are two),
 with ``finished=True`` when the load ends, loaded or failed. Totals are the tensors the load reads
 (skipped ``mtp.*`` tensors and a tied head are not counted) and their stored bytes.
 
-``TerminalBar`` draws them on a stream (stderr by default) as one line rewritten in place
-(``\\r`` and erase-line) and ended with a newline on ``finished``, redrawn only when the whole
-percentage changes (and on ``finished``, if the line changed); on a stream that is not a
-terminal it writes nothing at all.
+``TerminalBar`` draws them with ``tqdm`` on a stream (stderr by default): one line of the stored
+bytes read, with the tensor count beside them, rewritten in place and ended with a newline on
+``finished`` (also when the load fails); on a stream that is not a terminal it writes nothing at
+all.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Hashable, Mapping
-from typing import Literal, TextIO
+from typing import Any, Literal, TextIO
 
 import attrs
+from tqdm import tqdm
 
 __all__ = ["LoadProgress", "LoadTally", "ProgressOption", "TerminalBar"]
-
-_MIB = 2**20
-_WIDTH = 24
 
 
 @attrs.frozen(kw_only=True)
@@ -53,28 +51,29 @@ class TerminalBar:
         self.stream = sys.stderr if stream is None else stream
         self.label = label
         self.enabled = self.stream.isatty()
-        self._percent: int | None = None
-        self._line = ""
-        self._open = False
+        self._bar: tqdm[Any] | None = None
 
     def __call__(self, progress: LoadProgress) -> None:
         if not self.enabled:
             return
-        percent = int(100 * progress.fraction)
-        if percent != self._percent or progress.finished:
-            done = round(_WIDTH * progress.fraction)
-            line = (
-                f"{self.label} {percent:3d}% [{'#' * done}{'.' * (_WIDTH - done)}] "
-                f"{progress.tensors}/{progress.total_tensors} tensors, "
-                f"{progress.bytes / _MIB:.1f}/{progress.total_bytes / _MIB:.1f} MiB"
+        if self._bar is None:
+            self._bar = tqdm(
+                desc=self.label,
+                total=progress.total_bytes,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                file=self.stream,
+                leave=True,
+                dynamic_ncols=True,
             )
-            if line != self._line:
-                self.stream.write(f"\r\033[K{line}")
-            self._percent, self._line, self._open = percent, line, True
-        if progress.finished and self._open:
-            self.stream.write("\n")
-            self._open = False
-        self.stream.flush()
+        bar = self._bar
+        bar.set_postfix_str(f"{progress.tensors}/{progress.total_tensors} tensors", refresh=False)
+        bar.update(progress.bytes - bar.n)
+        if progress.finished:
+            bar.refresh()
+            bar.close()
+            self._bar = None
 
 
 class LoadTally:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from dsv4.config import DeepseekV4Config
 from graphs import eager_break_during_capture, get_forward_context
+from graphs.errors import InputError
 
 __all__ = [
     "COLLECTIVES",
@@ -44,7 +45,7 @@ __all__ = [
 ]
 
 
-class ParallelSizeError(ValueError):
+class ParallelSizeError(InputError, ValueError):
     """A tensor-parallel size the model cannot be split into (one line naming the field)."""
 
 

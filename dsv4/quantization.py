@@ -30,6 +30,7 @@ import torch
 
 from dsv4.quant_formats import FP8_DTYPE, QuantizationError, QuantizedTensor
 from dsv4.quant_layers import install_weight_only
+from dsv4.tensor_names import canonical_name
 
 __all__ = [
     "EXPERT_DTYPES",
@@ -259,8 +260,6 @@ def split_quantized_state(
     Scales are consumed by their weights; ``mtp.*`` is skipped; routed expert pieces are stacked
     (``stack_expert_pieces``). The reference for what a lazy loader does tensor by tensor.
     """
-    from dsv4.checkpoint import canonical_name  # not at import time: checkpoint may import us
-
     scales = pair_scales(tensors)
     scale_keys = set(scales.values())
     plain: dict[str, torch.Tensor] = {}

@@ -50,7 +50,6 @@ import attrs
 import torch
 from torch import nn
 
-from dsv4.checkpoint import canonical_name
 from dsv4.errors import CheckpointError
 from dsv4.hf_config import CONFIG_FILE
 from dsv4.layers import GroupedLinear
@@ -70,6 +69,7 @@ from dsv4.quantization import (
 from dsv4.quantized_values import Pair, check_values, dequantize_into
 from dsv4.shard_reader import Entry, ShardReader, Stored
 from dsv4.sharding import RankShare, Split, split_dim
+from dsv4.tensor_names import canonical_name
 
 __all__ = ["LOAD_MODES", "QuantizedPlan", "Stored", "load_quantized", "plan_quantized"]
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from dsv4.checkpoint import TensorValueError
+from dsv4.errors import TensorValueError
 from dsv4.quant_formats import FP4_VALUES, FP8_MAX, QuantizedTensor, scale_to_float32
 from dsv4.shard_reader import Stored
 

@@ -34,6 +34,7 @@ from torch import nn
 
 from dsv4.config import DeepseekV4Config
 from dsv4.errors import CheckpointError
+from dsv4.hf_config import config_to_hf_dict
 from dsv4.model import DeepseekV4ForCausalLM
 from dsv4.quant_formats import (
     FP4_VALUES,
@@ -179,7 +180,7 @@ _OFFICIAL = tuple(
 
 def official_name(name: str) -> str:
     """The official DeepSeek name of a model tensor named the Hugging Face way (the inverse of
-    ``dsv4.checkpoint.canonical_name``; routed expert stacks are split by the writer)."""
+    ``dsv4.tensor_names.canonical_name``; routed expert stacks are split by the writer)."""
     bare = name.removeprefix("model.")
     for pattern, replacement in _OFFICIAL:
         bare = pattern.sub(replacement, bare)
@@ -276,7 +277,7 @@ def save_quantized_checkpoint(
         state.pop("lm_head.weight", None)
     tensors = quantize_state_dict(state, qconfig, scale_suffix=scale_suffix)
     directory = Path(directory)
-    hf = config.to_hf_dict()
+    hf = config_to_hf_dict(config)
     hf["quantization_config"] = qconfig.to_hf_dict()
     try:
         directory.mkdir(parents=True, exist_ok=True)

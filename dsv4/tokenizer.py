@@ -25,6 +25,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from dsv4.chat_template import ChatTemplateError, render_chat_template
+from graphs.errors import InputError
 
 __all__ = [
     "CHAT_TEMPLATE_FILE",
@@ -50,7 +51,7 @@ SPECIAL_TOKEN_KEYS = (
 )
 
 
-class TokenizerError(ValueError):
+class TokenizerError(InputError, ValueError):
     """A tokenizer file is missing, does not parse, or contradicts itself (one line)."""
 
 

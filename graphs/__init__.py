@@ -8,7 +8,7 @@ from graphs.allocations import AllocationTracker
 from graphs.audit import AuditFinding, AuditMode, AuditReport
 from graphs.capture import BreakableCapture, eager_break_during_capture
 from graphs.cuda_backend import CudaGraphBackend
-from graphs.errors import BackendUnavailableError, CaptureAuditError, CaptureError
+from graphs.errors import BackendUnavailableError, CaptureAuditError, CaptureError, InputError
 from graphs.forward_context import ForwardContext, forward_context, get_forward_context
 from graphs.static_memory import StaticMemory
 from graphs.strategies import (
@@ -36,6 +36,7 @@ __all__ = [
     "EagerRegionStrategy",
     "ForwardContext",
     "FullGraph",
+    "InputError",
     "NarrowRegion",
     "NoGraph",
     "StaticMemory",

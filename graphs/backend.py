@@ -24,12 +24,11 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from typing_extensions import Protocol, runtime_checkable
 
 from graphs.errors import CaptureError
 
-__all__ = ["GraphBackend", "GraphSegment", "PoolGraphs", "PoolUse", "backend_for_device"]
+__all__ = ["GraphBackend", "GraphSegment", "PoolGraphs", "PoolUse"]
 
 
 class PoolUse:
@@ -126,17 +125,3 @@ class GraphBackend(Protocol):
         so library workspaces created lazily by the first call on a stream are made outside any
         graph's pool); a no-op where nothing is created lazily (the tape)."""
         ...
-
-
-def backend_for_device(device: torch.device | str) -> GraphBackend:
-    """The graph backend for ``device``: the CUDA graph backend on CUDA, the op tape on the CPU."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        from graphs.cuda_backend import CudaGraphBackend
-
-        return CudaGraphBackend(device=device)
-    if device.type == "cpu":
-        from graphs.tape import TapeBackend
-
-        return TapeBackend()
-    raise CaptureError(f"no graph backend for device type {device.type!r} (expected cpu or cuda)")

@@ -59,16 +59,28 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from graphs.allocations import AllocationTracker
 from graphs.audit import AUDIT_MODES, AuditMode, AuditReport, CaptureAudit
-from graphs.backend import GraphBackend, GraphSegment, backend_for_device
+from graphs.backend import GraphBackend, GraphSegment
+from graphs.cuda_backend import CudaGraphBackend
 from graphs.errors import CaptureError
 from graphs.static_memory import StaticMemory
+from graphs.tape import TapeBackend
 
-__all__ = ["BreakableCapture", "EagerSegment", "eager_break_during_capture"]
+__all__ = ["BreakableCapture", "EagerSegment", "backend_for_device", "eager_break_during_capture"]
 
 R = TypeVar("R")
 
 _active = threading.local()
 """``_active.capture``: the capture active in this thread, if any."""
+
+
+def backend_for_device(device: torch.device | str) -> GraphBackend:
+    """The graph backend for ``device``: the CUDA graph backend on CUDA, the op tape on the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return CudaGraphBackend(device=device)
+    if device.type == "cpu":
+        return TapeBackend()
+    raise CaptureError(f"no graph backend for device type {device.type!r} (expected cpu or cuda)")
 
 
 def _current() -> BreakableCapture | None:

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-__all__ = ["BackendUnavailableError", "CaptureAuditError", "CaptureError"]
+__all__ = ["BackendUnavailableError", "CaptureAuditError", "CaptureError", "InputError"]
+
+
+class InputError(Exception):
+    """Bad input to the library: a value, a file or a choice the caller can fix.
+
+    The base of every bad-input error of every package (it lives at the ground floor so that
+    ``platforms``, ``dsv4`` and ``runners`` can all derive from it); its message is one line
+    naming what was wrong. Each subclass keeps its builtin kind too (``ValueError``,
+    ``LookupError``, ``RuntimeError``), so ``except ValueError`` still catches what it did. What
+    is not the caller's input (a capture misuse, a failed rank, a broken executor) is not one.
+    """
 
 
 class CaptureError(RuntimeError):

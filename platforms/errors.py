@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from graphs.errors import InputError
+
 __all__ = [
     "AmbiguousPlatformError",
     "PlatformError",
@@ -12,8 +14,8 @@ __all__ = [
 ]
 
 
-class PlatformError(RuntimeError):
-    """Base of every platform error."""
+class PlatformError(InputError, RuntimeError):
+    """Base of every platform error (a name, plugin or machine the caller can change)."""
 
 
 class UnknownPlatformError(PlatformError, LookupError):

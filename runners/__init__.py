@@ -8,6 +8,7 @@ local rank processes, for a model split across them.
 Imports ``graphs``, ``platforms`` and ``dsv4``; nothing is resolved at import time.
 """
 
+from graphs.errors import InputError
 from runners.base import ModelRunner
 from runners.batch import DEFAULT_CAPTURE_SIZES
 from runners.engine import LLM, RequestFailedError, SamplingParams
@@ -44,6 +45,7 @@ __all__ = [
     "CaptureSizeError",
     "Engine",
     "EngineSpec",
+    "InputError",
     "ModelRunner",
     "ModelRunnerV1",
     "ModelRunnerV2",

@@ -70,7 +70,7 @@ from runners.batch import (
 )
 from runners.captured import CapturedGraph, capture_step, static_memory
 from runners.engine.executor import EngineLimits, ScheduledChunk
-from runners.errors import RunnerInputError
+from runners.errors import CaptureSizeError, RunnerInputError
 from runners.layout import CacheLayout
 from runners.modes import CUDAGraphMode
 
@@ -118,7 +118,9 @@ class ModelRunner(abc.ABC):
         if mixed_mode is CUDAGraphMode.FULL:
             raise ValueError("FULL graphs serve uniform-decode batches only; use PIECEWISE")
         if max_graph_contexts < 1:
-            raise ValueError(f"max_graph_contexts must be at least 1, got {max_graph_contexts}")
+            raise CaptureSizeError(
+                f"max_graph_contexts must be at least 1, got {max_graph_contexts}"
+            )
         platform.require_available()
         self.platform = platform
         self.device = platform.device
@@ -129,6 +131,13 @@ class ModelRunner(abc.ABC):
         self.mixed_mode = mixed_mode
         self.max_num_tokens = max_num_tokens
         self.capture_sizes = CaptureSizes.of(capture_sizes, max_num_tokens=max_num_tokens)
+        carried = layout.max_rows * layout.max_context  # every request in flight, at its longest
+        if max(self.capture_sizes.sizes) > carried:
+            raise CaptureSizeError(
+                f"capture size {max(self.capture_sizes.sizes)} exceeds what one step can carry: "
+                f"{layout.max_rows} requests of at most {layout.max_context} tokens hold "
+                f"{carried}; drop the size or raise max_num_seqs or max_model_len"
+            )
         self.context_buckets = ContextBuckets.of(
             max_blocks=layout.max_blocks_per_row,
             block_size=layout.block_size,
@@ -149,6 +158,7 @@ class ModelRunner(abc.ABC):
             num_entry_blocks=layout.num_entry_blocks,
             entry_rate=self.entry_rate,
             lookback=lookback(model.config),
+            max_model_len=layout.max_model_len,
             prefix_boundary=prefix_boundary(model.config, layout.block_size),
         )
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, device=self.device)

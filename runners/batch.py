@@ -119,7 +119,7 @@ class ContextBuckets:
     def of(cls, *, max_blocks: int, block_size: int, first_tokens: int) -> ContextBuckets:
         """Widths doubling from the blocks covering ``first_tokens`` up to ``max_blocks``."""
         if max_blocks < 1 or first_tokens < 1:
-            raise ValueError(
+            raise CaptureSizeError(
                 f"context buckets need a positive width, got {max_blocks} blocks and a first "
                 f"bucket of {first_tokens} tokens"
             )

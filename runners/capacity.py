@@ -33,6 +33,7 @@ import torch
 
 from dsv4.cache import cache_bytes, entry_rate, lookback
 from dsv4.config import DeepseekV4Config
+from graphs.errors import InputError
 from runners.layout import CacheLayout
 
 __all__ = [
@@ -51,7 +52,7 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 2**30
 """The most the KV caches take on the CPU when no budget is given."""
 
 
-class CapacityError(ValueError):
+class CapacityError(InputError, ValueError):
     """A capacity choice that cannot be served (one line naming the option)."""
 
 
@@ -150,6 +151,7 @@ class Capacity:
             block_size=self.block_size,
             max_rows=self.max_num_seqs,
             max_blocks_per_row=-(-length // self.block_size),
+            max_model_len=length,
         )
         return CapacityPlan(
             layout=layout,

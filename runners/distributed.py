@@ -17,7 +17,9 @@ Invariants of ``run_local``:
   ``os._exit``) is seen by its exit code; either way every other rank is terminated (killed
   after ``GRACE_S``), and the parent raises ``RankFailedError`` naming the rank and its error:
   the cause, not the peers that failed because they lost it (``_cause``).
-- A ``KeyboardInterrupt`` in the parent terminates every rank the same way and is re-raised.
+- A ``KeyboardInterrupt`` in the parent terminates every rank the same way and is re-raised;
+  the ranks never see a terminal's Ctrl-C themselves (``dsv4_rank``), so it prints one line.
+- A rank whose parent is killed exits at once (``dsv4_rank.run_rank`` watches it).
 - No worker outlives the call: each is joined, or killed and joined.
 - Collectives give up after ``COLLECTIVE_TIMEOUT`` (the process group's timeout), so a rank
   whose peer vanished unnoticed cannot wait forever.
@@ -42,6 +44,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from dsv4_rank import children_ignore_ctrl_c, run_rank
 from platforms import Platform, SimulatedPlatform
 from platforms.device_only_group import (
     DEVICE_ONLY_GLOO,
@@ -215,22 +218,37 @@ def run_local(
 ) -> dict[str, Any]:
     """Run ``command(args)`` on ``size`` local ranks; return rank 0's payload (see the module
     docstring for what happens when a rank fails)."""
-    context = multiprocessing.get_context("spawn")
+    context = rank_context()
     results: Any = context.Queue()
     workers = [
         context.Process(
-            target=_worker,
-            args=(command, args, world, backend, results),
+            target=run_rank,
+            args=(pickle.dumps((_worker, (command, args, world, backend))), results),
             name=f"dsv4-rank-{world.rank}",
         )
         for world in local_worlds(size)
     ]
-    for worker in workers:
-        worker.start()
+    with children_ignore_ctrl_c():  # a terminal's Ctrl-C is this process's alone to handle
+        for worker in workers:
+            worker.start()
     try:
         return _supervise(workers, results)
     finally:
         _stop(workers)
+
+
+def rank_context() -> Any:
+    """How local ranks start: from a fork server where the operating system has one (Linux,
+    macOS), else spawned. The server is a fresh process that imports the library once and forks
+    every rank from it, so a rank starts without importing torch again, and a process that runs
+    many parallel commands (a test session, the conformance kit) pays for one import; it never
+    runs model code itself, so what it forks holds no threads. A rank sees the environment the
+    server started with (the first parallel run's)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["runners"])
+    return context
 
 
 def _supervise(workers: list[Any], results: Any) -> dict[str, Any]:
@@ -311,8 +329,6 @@ def _worker(
     try:
         with process_group(world, backend):
             payload = command(args)
-    except KeyboardInterrupt:
-        os._exit(130)
     except BaseException as exc:  # every failure reaches the parent as one line
         results.put((world.rank, False, one_line(exc)))
         return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dsv4.parallel as model_parallel
+from graphs.errors import InputError
 
 __all__ = [
     "CaptureSizeError",
@@ -11,6 +12,7 @@ __all__ = [
     "PlatformNotImportableError",
     "ResolutionError",
     "RunnerInputError",
+    "SpecError",
     "UnknownEagerRegionError",
     "UnknownModeError",
     "UnknownRunnerError",
@@ -19,7 +21,7 @@ __all__ = [
 ]
 
 
-class ResolutionError(ValueError):
+class ResolutionError(InputError, ValueError):
     """A (platform, runner, mode, region) request that cannot be resolved."""
 
 
@@ -44,7 +46,7 @@ class DeviceCountError(ParallelSizeError):
     """More local ranks than the platform has devices on this machine (each takes one)."""
 
 
-class PlatformNotImportableError(ValueError):
+class PlatformNotImportableError(InputError, ValueError):
     """A platform object whose class the rank processes of ``launch_engine`` cannot import (one
     defined in the launching script's ``__main__``)."""
 
@@ -54,15 +56,21 @@ class UnsafeRegionError(ResolutionError):
     flag. Capturing it would replay metadata-dependent work against stale memory."""
 
 
-class UnsupportedDtypeError(ValueError):
+class UnsupportedDtypeError(InputError, ValueError):
     """A compute dtype the platform's device cannot compute in (a bad ``--dtype``, or the
     checkpoint's ``torch_dtype`` under ``auto``): the message names the dtype, the reason and
     the choices."""
 
 
-class CaptureSizeError(ValueError):
-    """Capture sizes that are empty, non-positive or larger than the runner's token budget."""
+class CaptureSizeError(InputError, ValueError):
+    """Capture sizes that are empty, non-positive or larger than what one step can carry (the
+    runner's token budget), or context buckets without a positive width."""
 
 
-class RunnerInputError(ValueError):
+class RunnerInputError(InputError, ValueError):
     """A step handed to a runner that does not fit it (token counts, rows, blocks, budget)."""
+
+
+class SpecError(InputError, ValueError):
+    """An ``EngineSpec`` field outside its choices (the message names the field, the value and
+    the choices)."""

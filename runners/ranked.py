@@ -328,6 +328,13 @@ def _uninterrupted() -> Iterator[None]:
                 signal.raise_signal(signal.SIGINT)
 
 
+_RANK_MAIN = (
+    "import dsv4_rank; dsv4_rank.exit_with_parent({parent}); "
+    "import runners.ranked as r; r.serve_rank({fd})"
+)
+"""A rank process's program: it watches its driver before importing the library."""
+
+
 def _start_rank() -> tuple[Connection, subprocess.Popen[bytes]]:
     """Start one rank process (``serve_rank``) and return the pipe to it and the process.
 
@@ -339,7 +346,7 @@ def _start_rank() -> tuple[Connection, subprocess.Popen[bytes]]:
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     try:
         process = subprocess.Popen(
-            [sys.executable, "-c", f"import runners.ranked as r; r.serve_rank({theirs.fileno()})"],
+            [sys.executable, "-c", _RANK_MAIN.format(parent=os.getpid(), fd=theirs.fileno())],
             pass_fds=(theirs.fileno(),),
             env=environment,
             start_new_session=True,

@@ -25,8 +25,9 @@ Invariants:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
@@ -38,18 +39,20 @@ from dsv4.dtypes import COMPUTE_DTYPES, DTYPE_CHOICES, dtype_name, resolve_dtype
 from dsv4.generation_config import stop_token_ids
 from dsv4.hf_config import checkpoint_architecture, load_config
 from dsv4.parallel import SINGLE, TensorParallel, check_parallel_size
+from dsv4.quantized_loading import LOAD_MODES
 from dsv4.sharding import shard_model
 from dsv4.weights import randomize_
-from graphs.audit import AuditMode
+from graphs.audit import AUDIT_MODES, AuditMode
 from platforms import Platform, current_platform, get_platform, simulate
 from runners.base import DEFAULT_MAX_GRAPH_CONTEXTS, ModelRunner
 from runners.batch import DEFAULT_CAPTURE_SIZES, DEFAULT_FIRST_CONTEXT_BUCKET
 from runners.capacity import Capacity, CapacityPlan, MaxModelLenCappedWarning
 from runners.engine import LLM, StepExecutor
-from runners.errors import ParallelSizeError, UnsupportedDtypeError
+from runners.errors import ParallelSizeError, SpecError, UnsupportedDtypeError
 from runners.layout import CacheLayout
 from runners.resolution import Resolution, resolve
 from runners.text import tokenizer_of
+from runners.threads import apply_threads
 
 __all__ = [
     "Engine",
@@ -70,6 +73,28 @@ __all__ = [
 ]
 
 
+def _one_of(choices: tuple[str, ...]) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
+    """An attrs validator refusing a value outside ``choices`` with a one-line ``SpecError``."""
+
+    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value not in choices:
+            raise SpecError(
+                f"EngineSpec.{attribute.name} {value!r} is not one of: {', '.join(choices)}"
+            )
+
+    return check
+
+
+def _positive_or_none(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise SpecError(f"EngineSpec.{attribute.name} must be a positive integer, got {value!r}")
+
+
+def _a_bool(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, bool):
+        raise SpecError(f"EngineSpec.{attribute.name} must be True or False, got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class EngineSpec:
     """Everything a user chooses about a run; ``"auto"`` leaves the choice to the resolution."""
@@ -78,7 +103,7 @@ class EngineSpec:
     """Hugging Face-layout checkpoint; ``None`` for the built-in tiny model."""
     builtin_seed: int = 0
     """Weight seed of the built-in tiny model."""
-    dtype: str = attrs.field(default="auto", validator=attrs.validators.in_(DTYPE_CHOICES))
+    dtype: str = attrs.field(default="auto", validator=_one_of(DTYPE_CHOICES))
     """Compute dtype: ``auto`` (the checkpoint's ``torch_dtype``; float32 for the built-in model
     or when absent), ``float32``, ``bfloat16`` or ``float16`` (``dsv4.dtypes``)."""
     platform: str | Platform | None = None
@@ -113,13 +138,17 @@ class EngineSpec:
     """Share of free device memory the KV caches may take (default 0.5)."""
     layout: CacheLayout | None = None
     """An explicit cache layout, instead of the one the capacity options above derive."""
-    audit: AuditMode = "raise"
+    audit: AuditMode = attrs.field(default="raise", validator=_one_of(AUDIT_MODES))
     load_progress: bool = True
     """Draw a load progress bar on stderr when stderr is a terminal."""
-    quantization: str = "auto"
+    quantization: str = attrs.field(default="auto", validator=_one_of(LOAD_MODES))
     """How a quantized checkpoint loads: ``auto`` (weight-only), ``weight-only`` or
     ``dequantize`` (``load_checkpoint``); a plain checkpoint and the built-in model ignore it."""
-    enable_prefix_caching: bool = True
+    threads: int | None = attrs.field(default=None, validator=_positive_or_none)
+    """Torch CPU threads of this process, set by ``build_engine``; ``None``: the default for the
+    model's size (``runners.threads``: one thread up to hidden size 512, torch's own above), as
+    ``dsv4 run`` uses without ``--threads``."""
+    enable_prefix_caching: bool = attrs.field(default=True, validator=_a_bool)
     """Share the cache blocks of equal prompt prefixes between requests
     (``runners.engine.prefix_cache``); off: every request computes its whole prompt."""
 
@@ -210,6 +239,9 @@ def resolve_spec(spec: EngineSpec) -> Resolution:
 def build_engine(spec: EngineSpec, *, model: DeepseekV4ForCausalLM | None = None) -> Engine:
     """Resolve ``spec``, then build the runner and the engine (loading the model if not given).
 
+    Sets this process's torch CPU threads to ``spec.threads`` (``None``: the default for the
+    model's size, ``runners.threads``), as ``dsv4 run`` does.
+
     Capacity options the config alone rules out are refused before the model loads; the KV
     budget's share of free memory is measured after it has loaded."""
     resolution = check_spec(spec, model)
@@ -217,6 +249,7 @@ def build_engine(spec: EngineSpec, *, model: DeepseekV4ForCausalLM | None = None
     capacity = capacity_of(spec)
     if model is None:
         model = build_model(spec)
+    apply_threads(spec.threads, model.config.hidden_size)
     model = model.to(platform.device)
     plan = None
     layout = spec.layout

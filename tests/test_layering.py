@@ -1,9 +1,10 @@
 """The package floors of DESIGN §2, read from the source: which package may import which, no
 import circle between modules, and an engine that imports nothing of the model.
 
-Imports are read with ``ast`` from every module's top level, ``TYPE_CHECKING`` blocks included (a
-type is a dependency too, and a circle hidden from the interpreter is still a circle for a
-reader); imports inside functions are not module-level and are not counted.
+Every import statement counts, wherever it stands: at the top level, under ``TYPE_CHECKING``
+(a type is a dependency too, and a circle hidden from the interpreter is still a circle for a
+reader) and inside functions (a lazy import only postpones a circle to the first call).
+Relative imports are resolved against the importing module's package.
 """
 
 from __future__ import annotations
@@ -33,23 +34,28 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _top_level(body: list[ast.stmt]) -> Iterator[str]:
-    for node in body:
-        if isinstance(node, ast.If | ast.Try):
-            for block in (node.body, node.orelse, *(h.body for h in getattr(node, "handlers", []))):
-                yield from _top_level(block)
-        elif isinstance(node, ast.Import):
+def _imported_names(tree: ast.AST, package: str) -> Iterator[str]:
+    """Every name an import statement anywhere in ``tree`` imports (``from m import x`` yields
+    ``m`` and ``m.x``); relative imports are resolved against ``package``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            yield node.module
-            yield from (f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = parts[: len(parts) - (node.level - 1)]
+                module = ".".join([*base, module] if module else base)
+            yield module
+            yield from (f"{module}.{alias.name}" for alias in node.names)
 
 
 def _imports(module: str) -> set[str]:
-    """The repository modules ``module`` imports at its top level."""
-    tree = ast.parse(MODULES[module].read_text())
+    """The repository modules ``module`` imports, wherever its import statements stand."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = set()
-    for name in _top_level(tree.body):
+    for name in _imported_names(ast.parse(path.read_text()), package):
         while name and name not in MODULES:
             name = name.rpartition(".")[0]
         if name and name != module:
@@ -74,26 +80,39 @@ def test_the_engine_imports_nothing_of_the_model() -> None:
     )
 
 
-def _circle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One import circle of ``graph`` (the modules on it, the first repeated last), or None."""
-    done: set[str] = set()
-    path: list[str] = []
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of ``graph``: its strongly connected components of more than one
+    module (Tarjan), each as its sorted modules, sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
 
-    def visit(module: str) -> list[str] | None:
-        if module in path:
-            return [*path[path.index(module) :], module]
-        if module in done:
-            return None
-        path.append(module)
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
         for imported in sorted(graph[module]):
-            circle = visit(imported)
-            if circle is not None:
-                return circle
-        path.pop()
-        done.add(module)
-        return None
+            if imported not in index:
+                visit(imported)
+                low[module] = min(low[module], low[imported])
+            elif imported in stack:
+                low[module] = min(low[module], index[imported])
+        if low[module] == index[module]:
+            component = stack[stack.index(module) :]
+            del stack[stack.index(module) :]
+            if len(component) > 1:
+                circles.append(sorted(component))
 
-    return next((c for m in sorted(graph) if (c := visit(m)) is not None), None)
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return sorted(circles)
+
+
+def test_imports_inside_functions_and_relative_imports_are_read() -> None:
+    source = "import a\ndef f():\n    from b import c\n    from . import d\n    from .e import g\n"
+    found = set(_imported_names(ast.parse(source), "p.q"))
+    assert {"a", "b", "b.c", "p.q", "p.q.d", "p.q.e", "p.q.e.g"} <= found
 
 
 def test_no_import_circle_between_modules() -> None:
@@ -101,5 +120,9 @@ def test_no_import_circle_between_modules() -> None:
     # a package's __init__ runs before its submodules: an edge from a submodule to a package
     # above it is that order, not a circle
     graph = {m: {d for d in deps if not m.startswith(f"{d}.")} for m, deps in graph.items()}
-    assert _circle(graph) is None
-    assert _circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    circles = _circles(graph)
+    assert not circles, "import circles: " + "; ".join(" <-> ".join(c) for c in circles)
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a", "e"}, "e": {"d"}}) == [
+        ["a", "b", "c"],
+        ["d", "e"],
+    ]

@@ -39,6 +39,14 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"prompt length of the prefill run (default: {_DEFAULTS.prefill_tokens})",
     )
+    group.add_argument(
+        "--in-flight-output",
+        type=at_least(1),
+        default=_DEFAULTS.in_flight_output,
+        metavar="N",
+        help=f"tokens each of the {_DEFAULTS.in_flight_requests} requests in flight at a fixed "
+        f"KV budget generates (default: {_DEFAULTS.in_flight_output})",
+    )
 
 
 def sweep_options(args: argparse.Namespace) -> SweepOptions:
@@ -50,6 +58,7 @@ def sweep_options(args: argparse.Namespace) -> SweepOptions:
         prefill_chunk=args.max_num_batched_tokens or _DEFAULTS.prefill_chunk,
         block_size=args.block_size,
         threads=args.threads[0] if args.threads is not None else None,
+        in_flight_output=args.in_flight_output,
     )
 
 

@@ -27,7 +27,7 @@ import runners.cli.matrix as matrix
 import runners.cli.run as run
 import runners.cli.serve as serve
 from dsv4.parallel import check_parallel_size
-from runners.cli.errors import UsageError, report_failure
+from runners.cli.errors import EXIT_CLOSED_PIPE, UsageError, report_failure, stdout_closed
 from runners.cli.options import parallel_backend
 from runners.distributed import check_local_devices, execute_ranked, torchrun_world
 from runners.spec import EngineSpec, config_of, resolve_platform
@@ -101,17 +101,20 @@ def _run(command_name: str, args_list: list[str]) -> int:
             raise UsageError("a command is required: " + ", ".join(COMMANDS))
         module = COMMANDS[args.command]
         payload = _execute(module, args)
+        if payload is None:  # a rank other than 0 of a parallel run: rank 0 speaks
+            return 0
+        if args.json:
+            print(json.dumps(payload, sort_keys=False))
+        else:
+            print(module.render(payload))
+        sys.stdout.flush()  # a reader that went away is found here, not at interpreter exit
     except KeyboardInterrupt:
         print(f"dsv4 {command_name}: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
+        if isinstance(exc, BrokenPipeError) and stdout_closed():
+            return EXIT_CLOSED_PIPE  # `dsv4 … | head`: the reader has what it wanted
         return report_failure(command_name or "", exc)
-    if payload is None:  # a rank other than 0 of a parallel run: rank 0 speaks
-        return 0
-    if args.json:
-        print(json.dumps(payload, sort_keys=False))
-    else:
-        print(module.render(payload))
     exit_code = getattr(module, "exit_code", None)
     return int(exit_code(payload)) if exit_code is not None else 0
 

@@ -1,37 +1,42 @@
-"""Progress lines on stderr, shown only when stderr is a terminal (never in redirected logs)."""
+"""Progress lines on stderr, shown only when stderr is a terminal (never in redirected logs, never
+with ``--json``): each phase is one ``tqdm`` line, its message and its elapsed time rewritten in
+place, ended by ``done``."""
 
 from __future__ import annotations
 
 import sys
-import time
+from typing import Any
+
+from tqdm import tqdm
 
 __all__ = ["Progress"]
 
 
 class Progress:
-    """Writes ``\\r``-updated status lines to stderr while enabled; silent otherwise."""
+    """Draws status lines on stderr while enabled; silent otherwise."""
 
     def __init__(self, *, enabled: bool) -> None:
         self.enabled = enabled
-        self._started = time.perf_counter()
-        self._open_line = False
+        self._line: tqdm[Any] | None = None
 
     @classmethod
     def for_terminal(cls, *, json_output: bool) -> Progress:
         return cls(enabled=sys.stderr.isatty() and not json_output)
 
     def update(self, message: str) -> None:
+        """Show ``message`` on the current phase's line (opened on first use)."""
         if not self.enabled:
             return
-        elapsed = time.perf_counter() - self._started
-        sys.stderr.write(f"\r\033[K{message} [{elapsed:.1f}s]")
-        sys.stderr.flush()
-        self._open_line = True
+        if self._line is None:
+            self._line = tqdm(desc=message, file=sys.stderr, bar_format="{desc} [{elapsed}]")
+        else:
+            self._line.set_description_str(message)
 
     def done(self, message: str) -> None:
+        """Show ``message`` and end the phase's line."""
         if not self.enabled:
             return
         self.update(message)
-        sys.stderr.write("\n")
-        sys.stderr.flush()
-        self._open_line = False
+        assert self._line is not None
+        self._line.close()
+        self._line = None

@@ -5,8 +5,9 @@ Invariants:
 - With a checkpoint tokenizer (``tokenizer.json``), text is encoded by it (``--chat``: through
   its chat template) and every output can be decoded; without one, text is byte-level (token
   ``b < 256`` is byte ``b``, the built-in model's vocabulary) and ``--chat`` is refused.
-- Bad usage (no prompt, an empty one, ``--chat`` without text or without a template) is a
-  ``UsageError``; a broken tokenizer file is a ``TokenizerError`` naming it.
+- Bad usage (no prompt, an empty one, ``--chat`` without text or without a template, text that
+  is not UTF-8 for a checkpoint tokenizer) is a ``UsageError``; a broken tokenizer file is a
+  ``TokenizerError`` naming it. Byte-level text is the bytes typed, UTF-8 or not.
 """
 
 from __future__ import annotations
@@ -54,6 +55,15 @@ def load_tokenizer(checkpoint: Path | None, *, chat: bool) -> CheckpointTokenize
     return tokenizer
 
 
+def _typed_bytes(text: str) -> bytes:
+    """The bytes of ``text`` as typed: Python hands a command line's bytes that are not UTF-8
+    over as lone surrogates (``surrogateescape``), which turn back into those bytes here."""
+    try:
+        return text.encode("utf-8", errors="surrogateescape")
+    except UnicodeEncodeError:
+        raise UsageError("--prompt holds characters that are not text (lone surrogates)") from None
+
+
 def encode_prompts(
     prompt_ids: Sequence[Sequence[int]] | None,
     texts: Sequence[str] | None,
@@ -64,9 +74,19 @@ def encode_prompts(
     """Every prompt as token ids (see the module docstring for the order and the encoding)."""
     prompts = [list(ids) for ids in prompt_ids or ()]
     for text in texts or ():
+        typed = _typed_bytes(text)
         if tokenizer is None:
-            prompts.append(list(text.encode("utf-8")))
-        elif chat:
+            prompts.append(list(typed))
+            continue
+        try:
+            typed.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            raise UsageError(
+                f"--prompt is not UTF-8 text (byte 0x{typed[bad.start]:02x} at offset "
+                f"{bad.start}); the checkpoint's tokenizer encodes text: give UTF-8, or token "
+                "ids with --prompt-ids"
+            ) from None
+        if chat:
             prompts.append(tokenizer.encode_chat(text))
         else:
             prompts.append(tokenizer.encode(text))

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import torch
 
 from dsv4.dtypes import dtype_name
 from dsv4.tokenizer import CheckpointTokenizer
@@ -50,7 +51,6 @@ from runners.engine import (
     SamplingParams,
 )
 from runners.spec import Engine, EngineSpec, build_engine
-from runners.threads import apply_threads
 
 __all__ = ["add_arguments", "execute", "exit_code", "prefix_cache_report", "render"]
 
@@ -109,6 +109,7 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         "unsafe_region": args.unsafe_region,
         "quantization": args.quantization,
         "dtype": args.dtype,
+        "threads": args.threads,
     }
     if args.capture_sizes is not None:
         fields["capture_sizes"] = tuple(args.capture_sizes)
@@ -125,7 +126,7 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
     progress = Progress.for_terminal(json_output=args.json)
     progress.update("loading model")
     engine = build_engine(spec_from_args(args))
-    threads = apply_threads(args.threads, engine.runner.model.config.hidden_size)
+    threads = torch.get_num_threads()  # what build_engine set: --threads, or the size's default
     vocab = engine.runner.vocab_size
     if byte_level and vocab < 256:
         raise UsageError(

@@ -7,6 +7,8 @@ is reported with its output: ``RequestFailedError`` lives beside ``RequestOutput
 
 from __future__ import annotations
 
+from graphs.errors import InputError
+
 __all__ = [
     "EngineConfigError",
     "EngineError",
@@ -20,11 +22,11 @@ class EngineError(Exception):
     """Base of every error the engine raises on purpose."""
 
 
-class EngineConfigError(EngineError, ValueError):
+class EngineConfigError(EngineError, InputError, ValueError):
     """The engine was built with impossible settings (a non-positive budget or cache size)."""
 
 
-class InvalidRequestError(EngineError, ValueError):
+class InvalidRequestError(EngineError, InputError, ValueError):
     """A request was refused: empty prompt, a token id outside the vocabulary, bad sampling
     parameters, or a request id that is already live."""
 

@@ -99,6 +99,9 @@ class EngineLimits:
     lookback: int | None = attrs.field(default=None)
     """Positions ending at a query that its layers read from the block pool; ``None``: every
     earlier position may be read, so no block is freed while its request lives."""
+    max_model_len: int | None = attrs.field(default=None)
+    """The longest request in tokens when shorter than a row's blocks hold (``None``: they
+    bound it)."""
     prefix_boundary: int | None = attrs.field(default=None)
     """Where a request's cache may be shared (``runners.engine.prefix_cache``): at a multiple
     ``P`` of it, every block of either pool a request holds for its positions before ``P`` is
@@ -123,7 +126,8 @@ class EngineLimits:
     @property
     def max_context(self) -> int:
         """The longest request, in tokens."""
-        return self.max_blocks_per_row * self.block_size
+        addressable = self.max_blocks_per_row * self.block_size
+        return addressable if self.max_model_len is None else min(addressable, self.max_model_len)
 
 
 class StepExecutor(Protocol):

@@ -71,6 +71,7 @@ def run_context_sweep(
     """Measure (see the module docstring); ``CapacityError`` when the model declares fewer
     positions than the sweep needs."""
     progress("loading model")
+    base = attrs.evolve(base, threads=options.threads)  # each engine built sets them again
     model = build_model(base)
     config = model.config
     threads = apply_threads(options.threads, config.hidden_size)

@@ -39,7 +39,6 @@ from runners.spec import (
     resolve_platform,
     resolve_spec,
 )
-from runners.threads import apply_threads
 
 __all__ = ["DEFAULT_PROMPTS", "MatrixOptions", "run_matrix"]
 
@@ -87,6 +86,7 @@ def run_matrix(options: MatrixOptions, progress: Callable[[str], None]) -> dict[
         dtype=options.dtype,
         capture_sizes=sizes,
         unsafe_region=options.unsafe_region,
+        threads=options.threads,
         **{
             "max_num_tokens": max(64, *sizes),
             "first_context_bucket": MATRIX_FIRST_CONTEXT_BUCKET,
@@ -99,7 +99,6 @@ def run_matrix(options: MatrixOptions, progress: Callable[[str], None]) -> dict[
         require_dtype(resolve_platform(platform, simulated=simulated), dtype)
     progress("loading model")
     model = build_model(base)
-    apply_threads(options.threads, model.config.hidden_size)
     references: dict[tuple[str, bool], Trace] = {}
     for platform, simulated in platforms:
         progress(f"eager reference on {_label(platform, simulated)}")

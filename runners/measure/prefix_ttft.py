@@ -50,7 +50,8 @@ def run_prefix_ttft(
     model = build_model(base)
     threads = apply_threads(options.threads, model.config.hidden_size)
     length = options.prefix_len + options.suffix_len
-    spec = attrs.evolve(base, max_model_len=base.max_model_len or length + 1, max_num_seqs=2)
+    context = max(base.max_model_len or 0, length + 1)  # the requests' length, at least
+    spec = attrs.evolve(base, max_model_len=context, max_num_seqs=2)
     engines = {
         name: build_engine(attrs.evolve(spec, enable_prefix_caching=name == "cached"), model=model)
         for name in ("cached", "uncached")

@@ -371,6 +371,13 @@ class PlatformConformanceTests(abc.ABC):
             f"allowed configurations: {[str(c) for c in allowed]}",
         )
 
+    def test_every_allowed_configuration_generates_the_eager_output(self) -> None:
+        """The deterministic pass, then (only if it passed) the random search (``passes``)."""
+        platform = self.execution_platform()
+        configurations = self.allowed_configurations()
+        for run_pass in (deterministic_pass, random_search):
+            run_pass(platform, configurations, atol=self.atol, max_new_tokens=self.max_new_tokens)
+
     def test_parallel_runs_generate_the_single_rank_output(self) -> None:
         """Every configuration allowed at ``tensor_parallel_size`` ranks, run on that many local
         ranks (one parallel run for them all), generates the eager tokens of one rank."""
@@ -383,10 +390,3 @@ class PlatformConformanceTests(abc.ABC):
             atol=self.atol,
             max_new_tokens=self.max_new_tokens,
         )
-
-    def test_every_allowed_configuration_generates_the_eager_output(self) -> None:
-        """The deterministic pass, then (only if it passed) the random search (``passes``)."""
-        platform = self.execution_platform()
-        configurations = self.allowed_configurations()
-        for run_pass in (deterministic_pass, random_search):
-            run_pass(platform, configurations, atol=self.atol, max_new_tokens=self.max_new_tokens)

@@ -7,13 +7,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from platforms import current_platform
 from runners.cli.bench import render
 from runners.cli.main import main
 from runners.measure.benchmark import timed
+from tests.readme.examples import command_lines, dsv4, in_directory, shell_block
+from tests.readme.test_shell_examples import run_line, smoke
 
 FAST = ["--batch-sizes", "1", "--threads", "1", "--repeats", "2", "--rounds", "1"]
 FAST += ["--generate-prompts", "1", "--max-new-tokens", "2"]
@@ -28,11 +32,14 @@ def _assert_measured(payload: dict) -> None:
     assert payload["generation"]["tokens_per_s"]["engine"] > 0
 
 
-def test_json_names_the_cpu_platform_and_transformers_runs_on_its_device(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+def test_the_documented_reproduce_commands_measure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With --vs-transformers the peer runs where the engine runs (on a GPU platform, the GPU:
-    transformers' default, the CPU, would compare devices), and the payload names both."""
+    """``docs/benchmarks.md``'s reproduce block, line by line at the smoke scale of
+    ``test_shell_examples`` (the tiny preset, one repeat): each names the platform it measured
+    and measures what its table reports; with --vs-transformers the peer runs where the engine
+    runs (on a GPU platform, the GPU: transformers' default, the CPU, would compare devices),
+    and the payload names both."""
     import runners.measure.suite as suite
 
     asked: dict[str, object] = {}
@@ -43,15 +50,41 @@ def test_json_names_the_cpu_platform_and_transformers_runs_on_its_device(
         return baseline(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(suite, "transformers_baseline", spy)
-    assert main(["bench", "--platform", "cpu", *FAST, "--vs-transformers", "--json"]) == 0
-    payload = json.loads(capsys.readouterr().out)
-    assert (payload["platform"], payload["simulated"], payload["device"]) == ("cpu", False, "cpu")
-    assert payload["capture"]["held_bytes"] > 0
-    _assert_measured(payload)
-    generation = payload["generation"]
-    assert asked.get("device") == torch.device("cpu")
-    assert generation["devices"] == {"engine": "cpu", "transformers": "cpu"}
-    assert generation["same_tokens_as_uncached_forward"] is True
+    lines = command_lines(shell_block("reproduce"))
+    assert [argv[:2] for argv in lines] == [
+        ["dsv4", "bench"],
+        ["dsv4", "init-checkpoint"],
+        ["dsv4", "bench"],
+        ["dsv4", "bench"],
+        ["python", "-m"],
+    ]
+    builtin, init, checkpoint, sweep, tape = lines
+    with in_directory(tmp_path):
+        payload = _json(smoke(builtin))
+        run_line(smoke(init))
+        from_checkpoint = _json(smoke(checkpoint))
+        swept = _json([*smoke(sweep), "--json"])["context_sweep"]  # its human form in the docs
+        run_line(smoke(tape))
+    platform = current_platform()
+    assert (payload["platform"], payload["simulated"]) == (platform.name, False)
+    assert asked.get("device") == platform.device
+    for measured in (payload, from_checkpoint):
+        _assert_measured(measured)
+        assert measured["capture"]["held_bytes"] > 0
+        generation = measured["generation"]
+        assert generation["tokens_per_s"]["transformers"] > 0
+        device = platform.device.type
+        assert generation["devices"] == {"engine": device, "transformers": device}
+        assert generation["same_tokens_as_uncached_forward"] is True
+    assert set(swept["decode"]["median_us"]) == {"eager", "piecewise", "full"}
+    assert swept["prefill"]["tokens"] == 64 and swept["in_flight"]["requests"] == 12
+    assert swept["kv_bytes"]["per_layer_type"]
+
+
+def _json(argv: list[str]) -> dict:
+    code, out = dsv4(argv[1:])
+    assert code == 0, argv
+    return dict(json.loads(out))
 
 
 def test_human_output_names_the_simulated_platform(capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,6 +16,7 @@ import torch
 from dsv4 import DeepseekV4Config, load_checkpoint, save_random_checkpoint
 from dsv4.dtypes import dtype_name, resolve_dtype
 from dsv4.quantized_writer import save_random_quantized_checkpoint
+from runners.cli.main import main
 
 pytestmark = pytest.mark.skipif(
     not Path("/proc/self/status").exists(), reason="bench-load reads /proc (Linux)"
@@ -75,7 +76,9 @@ def test_the_figures_are_consistent_and_the_model_bytes_are_the_models(
     assert payload["checkpoint"] == str(tmp_path)
 
 
-def test_the_human_form_and_a_missing_checkpoint(tmp_path: Path) -> None:
+def test_the_human_form_and_a_missing_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     save_random_checkpoint(tmp_path / "ckpt", DeepseekV4Config.tiny(), seed=1)
     shown = _bench_load("--checkpoint", str(tmp_path / "ckpt"))
     assert shown.returncode == 0, shown.stderr
@@ -87,8 +90,9 @@ def test_the_human_form_and_a_missing_checkpoint(tmp_path: Path) -> None:
         "ratio",
         "still resident",
     ]
-    missing = _bench_load("--checkpoint", str(tmp_path / "nothing"))
-    assert missing.returncode == 1 and missing.stdout == ""
-    assert missing.stderr == (
+    assert main(["bench-load", "--checkpoint", str(tmp_path / "nothing")]) == 1
+    missing = capsys.readouterr()
+    assert missing.out == ""
+    assert missing.err == (
         f"dsv4 bench-load: error: no config.json in checkpoint directory {tmp_path / 'nothing'}\n"
     )

@@ -69,7 +69,7 @@ def test_auto_is_the_checkpoint_torch_dtype(
     capsys: pytest.CaptureFixture[str], checkpoint: Path, tmp_path: Path
 ) -> None:
     capsys.readouterr()
-    argv = ["run", *PROMPTS, "3", *FAST]
+    argv = ["run", *PROMPTS, "3", *FAST, "--cudagraph-mode", "NONE"]  # graphs: the test above
     assert _json(capsys, [*argv, "--checkpoint", str(checkpoint)])["dtype"] == "float32"
     edited = _with_dtype(checkpoint, tmp_path, torch_dtype="bfloat16")
     auto = _json(capsys, [*argv, "--checkpoint", str(edited)])

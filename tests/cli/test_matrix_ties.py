@@ -20,13 +20,14 @@ import torch
 import transformers
 
 from dsv4.config import DeepseekV4Config
+from dsv4.hf_config import config_to_hf_dict
 from runners.cli.main import main
 
 
 @pytest.fixture(scope="module")
 def tying_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("tying-checkpoint")
-    fields = DeepseekV4Config.tiny().to_hf_dict()
+    fields = config_to_hf_dict(DeepseekV4Config.tiny())
     fields.update(index_n_heads=1, index_topk=2, initializer_range=0.1)
     with torch.random.fork_rng():
         torch.manual_seed(0)

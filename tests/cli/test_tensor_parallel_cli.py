@@ -20,6 +20,8 @@ from dsv4 import DeepseekV4Config
 from dsv4.testing import random_model
 from runners.cli.main import main
 from tests.dsv4.support import hf_twin
+from tests.readme.examples import command_lines, shell_block
+from tests.runners.support import resolve_on
 
 PROMPTS = ["--prompt-ids", "1,2,3,4,5", "--prompt-ids", "9,8,7", "--max-new-tokens", "5"]
 FAST = ["--platform", "cpu", "--capture-sizes", "1,2", "--threads", "1"]
@@ -36,7 +38,22 @@ def _outputs(capsys: pytest.CaptureFixture[str], argv: list[str]) -> list[list[i
 MODES = ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 
 
-@pytest.mark.parametrize("mode", MODES)
+def _resolved_at_two_ranks(mode: str) -> tuple[object, ...]:
+    r = resolve_on(runner="v2", mode=mode, tensor_parallel_size=2)
+    return (r.decode_mode, r.mixed_mode, r.eager_region.name)
+
+
+DISTINCT = sorted({_resolved_at_two_ranks(m): m for m in MODES}.values(), key=MODES.index)
+"""One mode per distinct resolution at two ranks on the CPU: there FULL graphs are downgraded
+to PIECEWISE (gloo collectives break them), so FULL and FULL_AND_PIECEWISE run what PIECEWISE
+runs (``test_parallel_resolution`` checks the downgrade itself)."""
+
+
+def test_the_modes_resolve_to_three_runs_at_two_ranks() -> None:
+    assert DISTINCT == ["NONE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
+
+
+@pytest.mark.parametrize("mode", DISTINCT[:-1])  # the default, FULL_AND_PIECEWISE: the docs' test
 def test_two_ranks_give_the_tokens_of_one_in_every_graph_mode(
     capsys: pytest.CaptureFixture[str], mode: str
 ) -> None:
@@ -56,7 +73,7 @@ def test_a_transformers_checkpoint_on_two_ranks_in_every_graph_mode(
 ) -> None:
     argv = ["run", *PROMPTS, *FAST, "--checkpoint", str(transformers_checkpoint)]
     expected = _outputs(capsys, argv)
-    for mode in MODES:
+    for mode in DISTINCT:
         parallel = [*argv, "--cudagraph-mode", mode, "--tensor-parallel-size", "2"]
         assert _outputs(capsys, parallel) == expected, mode
 
@@ -95,32 +112,33 @@ def _run_json(command: list[str]) -> list[list[int]]:
     return [o["output_ids"] for o in json.loads(lines[0])["outputs"]]
 
 
-def test_torchrun_one_node_and_two_nodes_give_the_tokens_of_one_rank(
+def _torchrun(argv: list[str], **names: str) -> list[str]:
+    """A documented ``torchrun`` line as this interpreter runs it: ``HOST``, ``PORT`` and ``R``
+    filled in from ``names``, a free port where the line leaves torchrun's default."""
+    filled = [names.get(arg, arg) for arg in argv[1:]]
+    if "--master-port" not in filled:
+        filled = ["--master-port", str(_free_port()), *filled]
+    return [*TORCHRUN, *filled]
+
+
+def test_the_documented_parallel_commands_give_the_tokens_of_one_rank(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    argv = ["run", *PROMPTS, *FAST, "--json"]
-    expected = _outputs(capsys, argv[:-1])
-    one_node = [*TORCHRUN, "--nproc-per-node", "2", "--master-port", str(_free_port())]
-    assert _run_json([*one_node, "-m", "dsv4_cli", *argv]) == expected
+    """Every line of the docs' tensor-parallel block, with this suite's prompts and sizes
+    appended: local ranks, torchrun on one node and on two (both here), and explain."""
+    extra = [*PROMPTS, *FAST, "--json"]
+    lines = command_lines(shell_block("tensor-parallel"))
+    assert [line[0] for line in lines] == ["dsv4", "torchrun", "torchrun", "dsv4"]
+    local, one_node, two_nodes, explain = lines
+    run_argv = one_node[one_node.index("dsv4_cli") + 1 :]
+    assert run_argv[0] == "run" and local[1:] == [*run_argv, "--tensor-parallel-size", "2"]
+    expected = _outputs(capsys, [*run_argv, *extra[:-1]])
+    assert _outputs(capsys, [*local[1:], *extra[:-1]]) == expected
+    assert _run_json([*_torchrun(one_node), *extra]) == expected
     port = str(_free_port())
     nodes = [
         subprocess.Popen(
-            [
-                *TORCHRUN,
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(rank),
-                "--nproc-per-node",
-                "1",
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                port,
-                "-m",
-                "dsv4_cli",
-                *argv,
-            ],
+            [*_torchrun(two_nodes, HOST="127.0.0.1", PORT=port, R=str(rank)), *extra],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -131,6 +149,8 @@ def test_torchrun_one_node_and_two_nodes_give_the_tokens_of_one_rank(
     assert [node.returncode for node in nodes] == [0, 0], [err for _, err in outs]
     assert outs[1][0].strip() == ""  # the second node's rank is 1: it prints nothing
     assert [o["output_ids"] for o in json.loads(outs[0][0])["outputs"]] == expected
+    assert main([*explain[1:], "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tensor_parallel_size"] == 2
 
 
 def _children(pid: int) -> list[int]:
@@ -147,24 +167,72 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _ranks(parent: subprocess.Popen[str], count: int) -> list[int]:
-    """The pids of ``parent``'s spawned ranks, once they all run the model."""
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _started(parent: subprocess.Popen[str], count: int) -> list[int]:
+    """The pids of ``parent``'s ``count`` ranks, as soon as they exist: the children of the fork
+    server it started (``runners.distributed.rank_context``)."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        ranks = [
-            pid
-            for pid in _children(parent.pid)
-            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        ]
+        servers = [pid for pid in _children(parent.pid) if b"forkserver" in _cmdline(pid)]
+        ranks = [pid for server in servers for pid in _children(server)]
         if len(ranks) == count:
-            time.sleep(8)  # let them get into the generation
             return sorted(ranks)
-        time.sleep(0.2)
+        time.sleep(0.02)
     raise AssertionError("the ranks did not start")
 
 
+def _sigint_in(pid: int, mask: str) -> bool:
+    """Whether SIGINT is in ``pid``'s signal ``mask`` of /proc (``SigCgt``: it has a handler,
+    so a Python interpreter has started there; ``SigBlk``: it is blocked)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{mask}:"):
+            return bool(int(line.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+    return False
+
+
+def _in_process_group(pids: list[int]) -> bool:
+    """Whether every rank holds a socket: they open them joining the process group, after the
+    library is imported (before, a spawned rank has pipes only)."""
+    for pid in pids:
+        links = []
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                links.append(os.readlink(fd))
+            except OSError:  # closed since the listing
+                continue
+        if not any(link.startswith("socket:") for link in links):
+            return False
+    return True
+
+
+def _ranks(parent: subprocess.Popen[str], count: int) -> list[int]:
+    """The pids of ``parent``'s spawned ranks, once they all run the model."""
+    ranks = _started(parent, count)
+    deadline = time.monotonic() + 60
+    while not _in_process_group(ranks):
+        assert time.monotonic() < deadline, "the ranks did not join their process group"
+        time.sleep(0.05)
+    time.sleep(2)  # the tiny model builds in well under that: they are generating
+    return ranks
+
+
 def _gone(pids: list[int]) -> bool:
-    return not [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+    """Whether every process of ``pids`` has exited (a zombie an adopter has not reaped yet
+    has exited too)."""
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            return False
+    return True
 
 
 LONG_RUN = [
@@ -204,3 +272,41 @@ def test_a_fault_stops_every_rank_and_leaves_no_process(fault: str, code: int, l
     assert parent.returncode == code and out == ""
     assert err.strip().splitlines()[-1] == line, err
     assert _gone(ranks)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+def test_a_terminal_ctrl_c_while_ranks_start_is_one_line() -> None:
+    """A terminal sends Ctrl-C to the whole foreground group, ranks importing torch included:
+    the parent alone answers it, with one line."""
+    parent = subprocess.Popen(
+        LONG_RUN, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    ranks = _started(parent, 2)
+    deadline = time.monotonic() + 60
+    while not all(_sigint_in(pid, "SigCgt") for pid in ranks):  # Python runs: importing
+        assert time.monotonic() < deadline, "the ranks did not start Python"
+        time.sleep(0.01)
+    # held back in the ranks (a traceback each otherwise, when they print before the parent
+    # stops them: a race, so the mask itself is checked)
+    assert all(_sigint_in(pid, "SigBlk") for pid in ranks)
+    os.killpg(parent.pid, signal.SIGINT)
+    out, err = parent.communicate(timeout=60)
+    assert (parent.returncode, out, err) == (130, "", "dsv4 run: interrupted\n")
+    assert _gone(ranks)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+@pytest.mark.parametrize("when", ["starting", "in the process group"])
+def test_ranks_whose_parent_is_killed_exit_within_seconds(when: str) -> None:
+    parent = subprocess.Popen(LONG_RUN, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ranks = _started(parent, 2)
+    deadline = time.monotonic() + 60
+    while when != "starting" and not _in_process_group(ranks):
+        assert time.monotonic() < deadline, "the ranks did not join their process group"
+        time.sleep(0.05)
+    parent.kill()
+    parent.wait()
+    killed = time.monotonic()
+    while not _gone(ranks) and time.monotonic() - killed < 30:
+        time.sleep(0.05)
+    assert _gone(ranks) and time.monotonic() - killed < 3.0

@@ -13,28 +13,10 @@ from tokenizers import Tokenizer
 
 from runners.cli.main import main
 
-FAST = ["--capture-sizes", "1,2,4", "--threads", "1", "--platform", "cpu"]
+FAST = ["--cudagraph-mode", "NONE", "--threads", "1", "--platform", "cpu"]
+"""Eager runs: text, tokens and stops are host-side (the README's tour runs the text path with
+its graphs)."""
 BOS = "<｜begin▁of▁sentence｜>"
-
-
-@pytest.fixture(scope="module")
-def made_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    ckpt = tmp_path_factory.mktemp("text") / "ckpt"
-    assert main(["init-checkpoint", str(ckpt), "--preset", "tiny", "--seed", "0"]) == 0
-    return ckpt
-
-
-@pytest.fixture
-def ckpt(made_checkpoint: Path, tmp_path: Path) -> Path:
-    """A private copy of the checkpoint a test may edit."""
-    copy = tmp_path / "ckpt"
-    copy.mkdir()
-    for path in made_checkpoint.iterdir():
-        if path.suffix == ".safetensors":
-            (copy / path.name).symlink_to(path)
-        else:
-            (copy / path.name).write_bytes(path.read_bytes())
-    return copy
 
 
 def _json(capsys: pytest.CaptureFixture[str], argv: list[str], code: int = 0) -> dict:
@@ -63,18 +45,18 @@ def _edit_json(path: Path, **changes: object) -> None:
 
 
 def test_init_checkpoint_writes_a_tokenizer_transformers_reads_the_same(
-    made_checkpoint: Path,
+    tiny_checkpoint: Path,
 ) -> None:
     from transformers import AutoTokenizer
 
     from dsv4.tokenizer import CheckpointTokenizer
 
-    files = sorted(p.name for p in made_checkpoint.iterdir())
+    files = sorted(p.name for p in tiny_checkpoint.iterdir())
     assert files == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
-    config = json.loads((made_checkpoint / "config.json").read_text())
-    ours = CheckpointTokenizer.from_directory(made_checkpoint)
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    ours = CheckpointTokenizer.from_directory(tiny_checkpoint)
     assert ours is not None
-    theirs = AutoTokenizer.from_pretrained(str(made_checkpoint))
+    theirs = AutoTokenizer.from_pretrained(str(tiny_checkpoint))
     vocab = ours.tokenizer.get_vocab()
     assert max(vocab.values()) < config["vocab_size"] and len(vocab) == config["vocab_size"]
     assert theirs.bos_token_id == config["bos_token_id"]
@@ -96,10 +78,10 @@ def test_init_checkpoint_writes_a_tokenizer_transformers_reads_the_same(
 
 
 def test_prompt_text_is_encoded_and_outputs_decoded_by_the_checkpoint_tokenizer(
-    made_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+    tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    tokenizer = Tokenizer.from_file(str(made_checkpoint / "tokenizer.json"))
-    argv = ["run", "--checkpoint", str(made_checkpoint), "--prompt", "Hello, world", *FAST]
+    tokenizer = Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json"))
+    argv = ["run", "--checkpoint", str(tiny_checkpoint), "--prompt", "Hello, world", *FAST]
     payload = _json(capsys, [*argv, "--max-new-tokens", "6", "--ignore-eos"])
     (out,) = payload["outputs"]
     assert out["prompt_ids"] == tokenizer.encode("Hello, world").ids
@@ -108,7 +90,7 @@ def test_prompt_text_is_encoded_and_outputs_decoded_by_the_checkpoint_tokenizer(
     assert out["text"] == tokenizer.decode(out["output_ids"], skip_special_tokens=True)
     assert payload["byte_level"] is False
     ids = _json(
-        capsys, ["run", "--checkpoint", str(made_checkpoint), "--prompt-ids", "5,6,7", *FAST]
+        capsys, ["run", "--checkpoint", str(tiny_checkpoint), "--prompt-ids", "5,6,7", *FAST]
     )
     assert ids["outputs"][0]["text"] == tokenizer.decode(
         ids["outputs"][0]["output_ids"], skip_special_tokens=True
@@ -118,10 +100,10 @@ def test_prompt_text_is_encoded_and_outputs_decoded_by_the_checkpoint_tokenizer(
 
 
 def test_chat_applies_the_template(
-    made_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+    tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    tokenizer = Tokenizer.from_file(str(made_checkpoint / "tokenizer.json"))
-    argv = ["run", "--checkpoint", str(made_checkpoint), "--chat", "--prompt", "Hi", *FAST]
+    tokenizer = Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json"))
+    argv = ["run", "--checkpoint", str(tiny_checkpoint), "--chat", "--prompt", "Hi", *FAST]
     (out,) = _json(capsys, [*argv, "--max-new-tokens", "3"])["outputs"]
     rendered = f"{BOS}<｜User｜>Hi<｜Assistant｜>"
     assert out["prompt_ids"] == tokenizer.encode(rendered, add_special_tokens=False).ids
@@ -203,6 +185,18 @@ def test_the_built_in_model_stays_byte_level(capsys: pytest.CaptureFixture[str])
     assert "    text   'hi' -> " in capsys.readouterr().out
 
 
+def test_a_prompt_that_is_not_utf8_is_a_usage_error_for_a_tokenizer_and_bytes_without(
+    tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    typed = b"hi \xff\xfe".decode("utf-8", errors="surrogateescape")  # as Python gets argv
+    argv = ["run", "--checkpoint", str(tiny_checkpoint), "--prompt", typed, *FAST]
+    code, line = _error(capsys, argv)
+    assert code == 2
+    assert line.startswith("dsv4 run: error: --prompt is not UTF-8 text (byte 0xff at offset 3)")
+    argv = ["run", "--prompt", typed, "--max-new-tokens", "1", *FAST]
+    assert _json(capsys, argv)["outputs"][0]["prompt_ids"] == list(b"hi \xff\xfe")
+
+
 def test_a_checkpoint_without_a_tokenizer_stays_byte_level(
     ckpt: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -214,9 +208,9 @@ def test_a_checkpoint_without_a_tokenizer_stays_byte_level(
 
 
 def test_text_streams_to_a_terminal(
-    made_checkpoint: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    argv = ["run", "--checkpoint", str(made_checkpoint), "--prompt", "Hello", "--prompt", "The"]
+    argv = ["run", "--checkpoint", str(tiny_checkpoint), "--prompt", "Hello", "--prompt", "The"]
     argv += ["--max-new-tokens", "5", "--ignore-eos", *FAST]
     texts = [o["text"] for o in _json(capsys, argv)["outputs"]]
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True)

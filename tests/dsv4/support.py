@@ -12,13 +12,14 @@ from collections.abc import Sequence
 import torch
 import transformers
 
+from dsv4.hf_config import config_to_hf_dict
 from dsv4.model import DeepseekV4ForCausalLM
 from tests.dsv4.hf_ties import tie_aware
 
 
 def hf_twin(model: DeepseekV4ForCausalLM) -> transformers.DeepseekV4ForCausalLM:
     """The Hugging Face model with the same config and weights (eager attention), tie-aware."""
-    hf_config = transformers.DeepseekV4Config(**model.config.to_hf_dict())
+    hf_config = transformers.DeepseekV4Config(**config_to_hf_dict(model.config))
     hf = transformers.DeepseekV4ForCausalLM(hf_config).eval()
     hf.load_state_dict(model.state_dict(), strict=True)
     tie_aware(hf)

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from dsv4.cache import PagedKVCaches, allocate_kv_caches, entry_rate
 from dsv4.config import CSA, HCA, SLIDING, DeepseekV4Config
+from dsv4.hf_config import config_from_hf_dict, config_to_hf_dict
 from dsv4.metadata import AttentionMetadata, MetadataBuffers, new_metadata
 from dsv4.model import DeepseekV4ForCausalLM
 from dsv4.testing import Chunk, configs, random_model
@@ -144,9 +145,9 @@ def test_cache_layout_per_layer_type() -> None:
 
 def test_running_with_the_caches_of_another_model_fails() -> None:
     model = DeepseekV4ForCausalLM(DeepseekV4Config.tiny())
-    other = DeepseekV4Config.tiny().to_hf_dict() | {"num_hidden_layers": 2}
+    other = config_to_hf_dict(DeepseekV4Config.tiny()) | {"num_hidden_layers": 2}
     other["layer_types"], other["mlp_layer_types"] = [SLIDING, CSA], ["moe", "moe"]
-    caches = allocate_kv_caches(DeepseekV4Config.from_hf_dict(other), num_blocks=2, block_size=4)
+    caches = allocate_kv_caches(config_from_hf_dict(other), num_blocks=2, block_size=4)
     metadata, positions = new_metadata(
         [_chunk(0, 0, 1)],
         num_tokens=1,

@@ -18,7 +18,10 @@ from dsv4.hf_config import (
     CONFIG_FILE,
     UnsupportedArchitectureError,
     architecture_of,
+    config_from_hf_dict,
+    config_to_hf_dict,
     load_config,
+    read_config_file,
     save_config,
 )
 from dsv4.model import DeepseekV4ForCausalLM
@@ -52,7 +55,7 @@ TYPES = [SLIDING, CSA, HCA]
 @settings(max_examples=25)
 @given(config=configs())
 def test_hf_dict_round_trip(config: DeepseekV4Config) -> None:
-    assert DeepseekV4Config.from_hf_dict(config.to_hf_dict()) == config
+    assert config_from_hf_dict(config_to_hf_dict(config)) == config
 
 
 def test_tiny_preset_covers_every_layer_type_and_bytes(tmp_path: Path) -> None:
@@ -61,8 +64,8 @@ def test_tiny_preset_covers_every_layer_type_and_bytes(tmp_path: Path) -> None:
     assert tiny.vocab_size >= 259 and {tiny.bos_token_id, tiny.eos_token_id} <= set(range(256, 320))
     path = save_config(tmp_path, tiny)
     assert path == tmp_path / CONFIG_FILE == tmp_path / "config.json"
-    assert json.loads(path.read_text()) == tiny.to_hf_dict()
-    assert DeepseekV4Config.from_json_file(path) == load_config(tmp_path) == tiny
+    assert json.loads(path.read_text()) == config_to_hf_dict(tiny)
+    assert read_config_file(path) == load_config(tmp_path) == tiny
 
 
 HF_LAYOUTS: dict[str, dict[str, Any]] = {
@@ -131,7 +134,7 @@ HF_LAYOUTS: dict[str, dict[str, Any]] = {
 @pytest.mark.parametrize("extra", HF_LAYOUTS.values(), ids=list(HF_LAYOUTS))
 def test_reads_hf_layouts_like_transformers(extra: dict[str, Any]) -> None:
     raw = {**BASE, **extra}
-    ours = DeepseekV4Config.from_hf_dict(raw)
+    ours = config_from_hf_dict(raw)
     hf = transformers.DeepseekV4Config(**{k: v for k, v in raw.items() if v is not None})
     assert list(ours.layer_types) == hf.layer_types
     assert list(ours.mlp_layer_types) == hf.mlp_layer_types
@@ -191,22 +194,22 @@ BAD: list[tuple[dict[str, Any], str]] = [
 @pytest.mark.parametrize(("change", "message"), BAD, ids=[m for _, m in BAD])
 def test_invalid_configs_give_one_line_errors(change: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError) as error:
-        DeepseekV4Config.from_hf_dict({**BASE, **change})
+        config_from_hf_dict({**BASE, **change})
     assert message in str(error.value)
     assert "\n" not in str(error.value)
 
 
 def test_unreadable_config_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read config"):
-        DeepseekV4Config.from_json_file(tmp_path / "missing.json")
+        read_config_file(tmp_path / "missing.json")
     (tmp_path / "list.json").write_text("[1, 2]")
     with pytest.raises(ConfigError, match="must be a JSON object"):
-        DeepseekV4Config.from_json_file(tmp_path / "list.json")
+        read_config_file(tmp_path / "list.json")
 
 
 def test_the_architecture_name_has_one_definition() -> None:
     assert ARCHITECTURE == DeepseekV4ForCausalLM.__name__ == "DeepseekV4ForCausalLM"
-    assert DeepseekV4Config.tiny().to_hf_dict()["architectures"] == [ARCHITECTURE]
+    assert config_to_hf_dict(DeepseekV4Config.tiny())["architectures"] == [ARCHITECTURE]
     assert architecture_of({}) == architecture_of({"architectures": [ARCHITECTURE]}) == ARCHITECTURE
     with pytest.raises(UnsupportedArchitectureError) as error:
         architecture_of({"architectures": ["LlamaForCausalLM"]})
@@ -219,7 +222,7 @@ def test_the_architecture_name_has_one_definition() -> None:
 
 def test_an_engine_for_another_architecture_is_refused_before_resolution(tmp_path: Path) -> None:
     """It used to load the DeepSeek-V4 model anyway, on the runner the other name resolved to."""
-    raw = {**DeepseekV4Config.tiny().to_hf_dict(), "architectures": ["LlamaForCausalLM"]}
+    raw = {**config_to_hf_dict(DeepseekV4Config.tiny()), "architectures": ["LlamaForCausalLM"]}
     (tmp_path / "config.json").write_text(json.dumps(raw))
     spec = EngineSpec(checkpoint=tmp_path, platform="cpu")
     with pytest.raises(UnsupportedArchitectureError, match="'LlamaForCausalLM'"):

@@ -59,6 +59,7 @@ def test_the_cli_prints_the_warning_as_one_line(
     checkpoints: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = ["run", "--platform", "cpu", "--checkpoint", str(checkpoints[1])]
+    argv += ["--cudagraph-mode", "NONE"]  # a warning at load: no graph needed
     assert main([*argv, "--prompt-ids", "1,2", "--max-new-tokens", "1", "--json"]) == 0
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("dsv4 run: warning: config fields num_key_value_heads=4, ")

@@ -10,7 +10,7 @@ import torch
 
 from graphs import BackendUnavailableError, BreakableCapture, eager_break_during_capture
 from graphs.allocations import AllocationSites
-from graphs.backend import backend_for_device
+from graphs.capture import backend_for_device
 from graphs.cuda_backend import CudaGraphBackend, _SegmentWatch
 
 

@@ -205,3 +205,11 @@ def test_a_simulated_run_says_what_it_can_and_cannot_refute() -> None:
     message = str(record[0].message)
     assert message.startswith("platform cuda (simulated on the CPU tape): ")
     assert SIMULATION_SCOPE in message and "cannot refute" in message
+
+
+def test_the_fast_single_process_pass_runs_before_the_parallel_one() -> None:
+    """pytest runs a class's tests in the order they are defined: the deterministic pass (seconds,
+    one process) comes before the parallel run (ranks to start), so a wrong claim fails first."""
+    tests = [name for name in vars(PlatformConformanceTests) if name.startswith("test_")]
+    single = tests.index("test_every_allowed_configuration_generates_the_eager_output")
+    assert single < tests.index("test_parallel_runs_generate_the_single_rank_output")

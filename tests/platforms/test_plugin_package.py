@@ -1,12 +1,12 @@
-"""The README's out-of-tree platform package, built, installed and tested as its author would.
+"""The documented out-of-tree platform package, built, installed and tested as its author would.
 
-The package's files are the README's code blocks marked ``<!-- platform-plugin: PATH -->``,
-written verbatim, so the example cannot rot. It is installed with pip (offline, no build
-isolation, no dependencies: this project is already installed) into a target directory put on
-``PYTHONPATH``; entry points are discovered from the ``.dist-info`` pip writes there. Then, each
-in a fresh process as a user would run it: ``dsv4 explain`` for the plugin and a built-in, the
-conformance kit in the package (no ``conftest.py`` of ours: the kit's own settings), and two
-wrong claims the kit must refute within a minute, naming what is wrong.
+The package's files are the code blocks of ``docs/platforms.md`` marked ``<!-- example: plugin PATH
+-->`` (``tests.readme.examples``), written verbatim, so the example cannot rot. It is installed with
+pip (offline, no build isolation, no dependencies: this project is already installed) into a target
+directory put on ``PYTHONPATH``; entry points are discovered from the ``.dist-info`` pip writes
+there. Then, each in a fresh process as a user would run it: ``dsv4 explain`` for the plugin and a
+built-in, the conformance kit in the package (no ``conftest.py`` of ours: the kit's own settings),
+and two wrong claims the kit must refute within a minute, naming what is wrong.
 """
 
 from __future__ import annotations
@@ -18,18 +18,18 @@ import re
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-MARKED_BLOCK = re.compile(r"<!-- platform-plugin: (\S+) -->\s*```[a-z]*\n(.*?)```", re.DOTALL)
+from tests.readme.examples import all_blocks
+
 PACKAGE_FILES = ("mypkg/__init__.py", "pyproject.toml", "tests/test_mydev.py")
 KIT_SECONDS = 60.0
+"""What the kit may take in the package, in CPU seconds: a minute of work on a 2-core machine."""
 
 WRONG_CLAIMS = '''
-"""Two wrong claims about the README's platform; the kit must refute each within a minute."""
+"""Two wrong claims about the documented platform; the kit must refute each within a minute."""
 
 from graphs import FullGraph
 from mypkg import MyPlatform
@@ -105,47 +105,76 @@ class TestBrokenReplay(PlatformConformanceTests):
 '''
 
 
-def readme_package_files() -> dict[str, str]:
-    """The README's marked blocks by file path; a missing one fails naming the marker."""
-    blocks = dict(MARKED_BLOCK.findall(README.read_text()))
+def documented_package_files() -> dict[str, str]:
+    """The documented package's blocks by file path; a missing one fails naming the marker."""
+    blocks = {block.name: block.body for block in all_blocks("plugin")}
     missing = [path for path in PACKAGE_FILES if path not in blocks]
-    if missing:
+    if missing or len(blocks) != len(PACKAGE_FILES):
         pytest.fail(
-            f"README.md lacks the marked example blocks {missing}: each is a fenced code block "
-            "right after a line '<!-- platform-plugin: PATH -->' in 'Adding a platform'"
+            f"the docs lack the plugin blocks {missing} (or have others: {sorted(blocks)}): "
+            "each is a fenced code block right after a line '<!-- example: plugin PATH -->' in "
+            "docs/platforms.md"
         )
     return {path: blocks[path] for path in PACKAGE_FILES}
 
 
+REAPER = """
+import ctypes, os, resource, subprocess, sys
+try:
+    ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans are reaped here
+except (OSError, AttributeError):
+    pass
+code = subprocess.call(sys.argv[1:])
+while True:
+    try:
+        os.waitpid(-1, 0)
+    except ChildProcessError:
+        break
+usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+print(f"cpu-seconds {usage.ru_utime + usage.ru_stime}", file=sys.stderr)
+sys.exit(code)
+"""
+"""Runs a command and reports the CPU seconds of every process it started, those a fork server
+started included (they outlive their parent, so no one else would count them)."""
+
+
 def run(command: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str, str, float]:
-    """Run ``command``; return its exit code, stdout, all output (stdout, stderr) and seconds."""
-    start = time.perf_counter()
+    """Run ``command``; return its exit code, stdout, all output (stdout, stderr) and the CPU
+    seconds it and its descendants used: the work, whatever else shares the machine, so a bound
+    on it holds on a busy CI host."""
     done = subprocess.run(
-        command, env=env, cwd=cwd, capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, "-c", REAPER, *command],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
-    seconds = time.perf_counter() - start
-    return done.returncode, done.stdout, done.stdout + done.stderr, seconds
+    stderr, _, report = done.stderr.rstrip("\n").rpartition("\n")
+    seconds = float(report.removeprefix("cpu-seconds "))
+    return done.returncode, done.stdout, done.stdout + stderr, seconds
 
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
-    """The README package, pip-installed into a target directory; (package dir, environment)."""
+    """The documented package, pip-installed into a target directory; (package dir, environment)."""
     root = tmp_path_factory.mktemp("plugin")
     package, target = root / "mypkg-src", root / "site"
-    for path, text in readme_package_files().items():
+    for path, text in documented_package_files().items():
         (package / path).parent.mkdir(parents=True, exist_ok=True)
         (package / path).write_text(text)
     pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index"]
     pip += ["--no-build-isolation", "--target", str(target), str(package)]
     env = {k: v for k, v in os.environ.items() if k not in ("DSV4_PLATFORM", "PYTHONPATH")}
     code, _, output, _ = run(pip, env, root)
-    assert code == 0, f"pip install of the README package failed:\n{output}"
+    assert code == 0, f"pip install of the documented package failed:\n{output}"
     env["PYTHONPATH"] = str(target)
     return package, env
 
 
-def test_the_readme_package_is_complete_code() -> None:
-    files = readme_package_files()
+def test_the_documented_package_is_complete_code() -> None:
+    files = documented_package_files()
     for path in ("mypkg/__init__.py", "tests/test_mydev.py"):
         tree = ast.parse(files[path], filename=path)
         stubs = [
@@ -157,7 +186,7 @@ def test_the_readme_package_is_complete_code() -> None:
             and isinstance(f.body[0].value, ast.Constant)
             and f.body[0].value.value is Ellipsis
         ]
-        assert not stubs, f"README {path}: {stubs} have '...' bodies; show working code"
+        assert not stubs, f"docs/platforms.md {path}: {stubs} have '...' bodies; show working code"
     assert '"dsv4.platforms"' in files["pyproject.toml"]
 
 
@@ -192,7 +221,7 @@ def test_the_kit_passes_in_the_package_within_a_minute(
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     code, _, output, seconds = run([*command, str(package / "tests")], env, tmp_path)
     assert code == 0 and re.search(r"\b\d+ passed\b", output), output
-    assert seconds < KIT_SECONDS, f"the kit took {seconds:.1f} s in the package:\n{output}"
+    assert seconds < KIT_SECONDS, f"the kit took {seconds:.1f} CPU s in the package:\n{output}"
 
 
 @pytest.mark.slow
@@ -206,7 +235,7 @@ def test_wrong_claims_fail_within_a_minute_naming_what_is_wrong(
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", select]
     code, _, output, seconds = run([*command, str(tmp_path / "wrong")], env, tmp_path)
     assert code == 1 and "2 failed" in output, output
-    assert seconds < KIT_SECONDS, f"refuting the claims took {seconds:.1f} s:\n{output}"
+    assert seconds < KIT_SECONDS, f"refuting the claims took {seconds:.1f} CPU s:\n{output}"
     # The flag: both values, the test's and the platform's.
     assert re.search(
         r"platform mydev: the test class says required_region = 'narrow', "

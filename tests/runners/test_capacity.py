@@ -12,6 +12,7 @@ from dsv4.cache import CacheBytes, allocate_kv_caches, cache_bytes, entry_rate, 
 from dsv4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from runners.capacity import Capacity, CapacityError
 from runners.cli.values import byte_count
+from runners.engine import RequestTooLongError, SamplingParams
 from runners.spec import EngineSpec, build_engine
 
 CPU = torch.device("cpu")
@@ -164,6 +165,17 @@ def test_engine_refuses_before_loading_and_serves_the_derived_layout() -> None:
     assert (layout.max_rows, layout.block_size, layout.max_blocks_per_row) == (2, 8, 8)
     assert engine.runner.limits.max_context == 64
     assert engine.runner.context_buckets.widths == (8,)
+
+
+def test_a_max_model_len_between_block_boundaries_is_held_as_given() -> None:
+    spec = EngineSpec(platform="cpu", cudagraph_mode="NONE", max_model_len=60, block_size=8)
+    engine = build_engine(spec)
+    assert engine.runner.layout.max_blocks_per_row == 8  # 64 tokens addressable
+    assert engine.capacity is not None and engine.capacity.max_model_len == 60
+    params = SamplingParams(max_tokens=1)
+    engine.llm.check([1] * 60, params)
+    with pytest.raises(RequestTooLongError, match="exceeds the maximum context of 60 tokens"):
+        engine.llm.check([1] * 61, params)
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,8 @@ from hypothesis import strategies as st
 
 from runners import DEFAULT_CAPTURE_SIZES, CaptureSizeError
 from runners.batch import CaptureSizes
+from runners.cli.main import main
+from runners.spec import EngineSpec, build_engine
 
 
 def test_default_sizes_are_captured_largest_first() -> None:
@@ -53,3 +55,17 @@ def test_the_sizes_serving_up_to_n_tokens_are_those_1_to_n_pad_to(
     capture = CaptureSizes.of(sizes, max_num_tokens=64)
     padded = {capture.padded(n) for n in range(1, rows + 1)} - {None}
     assert capture.serving(rows) == tuple(sorted(padded))
+
+
+def test_a_size_no_step_can_carry_is_refused_before_anything_is_captured(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """One request of at most 32 tokens: no step ever carries 64, so no graph is kept for it."""
+    small = {"max_num_seqs": 1, "max_model_len": 32, "block_size": 8}
+    with pytest.raises(CaptureSizeError, match="capture size 64 exceeds what one step can carry"):
+        build_engine(EngineSpec(platform="cpu", capture_sizes=(1, 64), **small))
+    argv = ["run", "--platform", "cpu", "--prompt-ids", "1", "--capture-sizes", "1,64"]
+    argv += ["--max-num-seqs", "1", "--max-model-len", "32", "--block-size", "8"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "1 requests of at most 32 tokens hold 32" in err[0]

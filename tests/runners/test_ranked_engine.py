@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -91,7 +93,9 @@ def test_the_shared_logits_file_has_no_name_left_while_the_engine_runs(
 ) -> None:
     directory = Path(shared_memory_dir() or tempfile.gettempdir())
     assert engine.ranks.size == 2
-    assert not list(directory.glob("dsv4-logits-*"))
+    path = Path(engine.ranks._logits.path)  # this engine's file (other engines may run)
+    assert path.parent == directory and path.name.startswith("dsv4-logits-")
+    assert not path.exists()
 
 
 def test_two_ranks_compute_the_logits_of_one(engine: RankedEngine) -> None:
@@ -228,3 +232,47 @@ def test_build_engine_outside_a_process_group_points_to_launch_engine() -> None:
         "tensor_parallel_size 2 needs a process group of 2 ranks: use runners.launch_engine, "
         "which starts them, or run under torchrun"
     )
+
+
+def _rank_pids(driver: int) -> list[int]:
+    """The rank processes ``driver`` started (children running ``serve_rank``), from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                command = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == driver and b"serve_rank" in command:
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+def test_ranks_whose_driver_is_killed_while_they_start_exit_within_seconds() -> None:
+    """The ranks watch their driver before importing the library: killed while they import
+    torch, they exit at once rather than when the import ends and the pipe is found closed."""
+    script = (
+        "import runners; runners.launch_engine("
+        "runners.EngineSpec(platform='cpu', tensor_parallel_size=2))"
+    )
+    driver = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while len(ranks := _rank_pids(driver.pid)) < 2:
+        assert time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.02)
+    driver.kill()
+    driver.wait()
+    killed = time.monotonic()
+    while not all(_exited(pid) for pid in ranks) and time.monotonic() - killed < 30:
+        time.sleep(0.05)
+    assert all(_exited(pid) for pid in ranks) and time.monotonic() - killed < 3.0
+
+
+def _exited(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie its adopter has not reaped yet has too)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
