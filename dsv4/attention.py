@@ -13,7 +13,8 @@
    - ``_attend``: indexer scoring and top-k, then one softmax per head over the window keys,
      the visible (CSA: selected) compressed entries and the sink; writes the preallocated
      output and returns it. No host syncs on any path: each token gathers its own request's
-     window and entries with static shapes and masks what it may not see, so even FULL
+     window and entries with static shapes and masks what it may not see (the keys of
+     entries it may not see are zeroed too, so no stale row can reach it), so even FULL
      graphs can capture it;
 3. inverse RoPE on the output and the grouped low-rank output projection (captured), then,
    with tensor parallelism, the all-reduce of the partial outputs (``TensorParallel``).
@@ -286,7 +287,11 @@ class DeepseekV4Attention(nn.Module):
                 )
                 slots = slots.gather(1, chosen)
                 entries_visible = entries_visible.gather(1, chosen)
-            keys = torch.cat((keys, read_rows(cache.compressor.entries, slots)), dim=1)
+            # an entry a query cannot see weighs nothing, but its row may hold anything (a
+            # block's unwritten rows, or NaN left by a request that failed): 0 * NaN is NaN
+            entry_keys = read_rows(cache.compressor.entries, slots)
+            entry_keys = torch.where(entries_visible.unsqueeze(-1), entry_keys, 0.0)
+            keys = torch.cat((keys, entry_keys), dim=1)
             visible = torch.cat((visible, entries_visible), dim=1)
         queries = rows(prepared.queries)
         logits = torch.einsum("thd,tkd->thk", queries, keys) * self.scaling

@@ -47,6 +47,7 @@ __all__ = [
     "entry_rows_per_block",
     "entry_stride",
     "lookback",
+    "prefix_boundary",
 ]
 
 
@@ -145,6 +146,27 @@ def lookback(config: DeepseekV4Config) -> int:
         config.compress_rate(t) * (2 if t == CSA else 1) for t in config.layer_types if t != SLIDING
     ]
     return max([config.sliding_window, *spans])
+
+
+def prefix_boundary(config: DeepseekV4Config, block_size: int) -> int | None:
+    """Where requests may share one request's caches (a prefix-cache hit's end, ``P``): the
+    least common multiple of ``block_size * entry_rate`` and every compression rate, or ``None``
+    when some rate is not a multiple of the finest.
+
+    At a multiple ``P`` of it, each block of positions before ``P`` is complete; every
+    compression window ends at ``P``, so a layer of rate ``m = s * entry_rate`` has completed
+    exactly its entries ``w < P/m``, addressed as finest-rate entries ``w * s < P/entry_rate``:
+    they fill exactly the first ``P / (entry_rate * block_size)`` entry blocks, and entry
+    ``P/m``, the first one a continuation writes, is the first of the next entry block. So
+    nothing a continuation writes lands in a block shared with the request that computed
+    ``P``'s prefix. A rate that is not a multiple of the finest addresses its entries behind the
+    finest ones (``entry_stride`` rounds down): its unfinished entries would share entry blocks
+    with finished ones at every boundary."""
+    finest = entry_rate(config)
+    rates = {config.compress_rate(t) for t in config.layer_types if t != SLIDING}
+    if any(rate % finest for rate in rates):
+        return None
+    return math.lcm(block_size * finest, *rates)
 
 
 def allocate_kv_caches(

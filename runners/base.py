@@ -53,7 +53,7 @@ from typing import ClassVar
 
 import torch
 
-from dsv4.cache import allocate_kv_caches, entry_rate, lookback
+from dsv4.cache import allocate_kv_caches, entry_rate, lookback, prefix_boundary
 from dsv4.metadata import AttentionMetadata, stage_into
 from dsv4.model import DeepseekV4ForCausalLM
 from graphs.audit import AuditFinding, AuditMode
@@ -162,6 +162,7 @@ class ModelRunner(abc.ABC):
             entry_rate=self.entry_rate,
             lookback=lookback(model.config),
             max_model_len=layout.max_model_len,
+            prefix_boundary=prefix_boundary(model.config, layout.block_size),
         )
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, device=self.device)
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=self.device)

@@ -90,6 +90,11 @@ def _positive_or_none(instance: Any, attribute: attrs.Attribute[Any], value: Any
         raise SpecError(f"EngineSpec.{attribute.name} must be a positive integer, got {value!r}")
 
 
+def _a_bool(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, bool):
+        raise SpecError(f"EngineSpec.{attribute.name} must be True or False, got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class EngineSpec:
     """Everything a user chooses about a run; ``"auto"`` leaves the choice to the resolution."""
@@ -143,6 +148,9 @@ class EngineSpec:
     """Torch CPU threads of this process, set by ``build_engine``; ``None``: the default for the
     model's size (``runners.threads``: one thread up to hidden size 512, torch's own above), as
     ``dsv4 run`` uses without ``--threads``."""
+    enable_prefix_caching: bool = attrs.field(default=True, validator=_a_bool)
+    """Share the cache blocks of equal prompt prefixes between requests
+    (``runners.engine.prefix_cache``); off: every request computes its whole prompt."""
 
 
 @attrs.frozen(kw_only=True)
@@ -276,13 +284,15 @@ def build_engine(spec: EngineSpec, *, model: DeepseekV4ForCausalLM | None = None
 
 def llm_of(executor: StepExecutor, spec: EngineSpec, config: DeepseekV4Config) -> LLM:
     """The ``LLM`` over ``executor`` for a model of ``config`` from ``spec``'s checkpoint: it
-    stops at the checkpoint's EOS ids and decodes with its tokenizer."""
+    stops at the checkpoint's EOS ids, decodes with its tokenizer and caches prefixes as
+    ``spec`` says."""
     vocab = executor.limits.vocab_size
     tokenizer = tokenizer_of(spec.checkpoint, vocab)
     return LLM(
         executor,
         eos_token_ids=stop_token_ids(config.eos_token_id, spec.checkpoint, vocab_size=vocab),
         detokenize=None if tokenizer is None else tokenizer.decode,
+        enable_prefix_caching=spec.enable_prefix_caching,
     )
 
 

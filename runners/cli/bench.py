@@ -12,6 +12,7 @@ Examples:
   dsv4 bench --vs-transformers --json         # also transformers' generate on the same weights
   dsv4 bench --checkpoint ./ckpt --batch-sizes 1 --threads 1
   dsv4 bench --platform rocm --simulate       # ROCm's policy, run on the CPU tape
+  dsv4 bench --checkpoint ./small --dtype bfloat16 --prefix-cache-ttft --threads 1
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ from runners.cli.options import (
     capacity_fields,
     parse_positive_int_list,
 )
+from runners.cli.prefix_ttft import add_prefix_arguments, prefix_options, render_prefix
 from runners.cli.progress import Progress
 from runners.cli.values import at_least
 from runners.measure.context_sweep import run_context_sweep
+from runners.measure.prefix_ttft import run_prefix_ttft
 from runners.measure.suite import BenchOptions, run_benchmark
 from runners.spec import EngineSpec
 
@@ -57,12 +60,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads",
         type=parse_positive_int_list,
-        default=[1, 2],
+        default=None,
         metavar="N,N,...",
-        help="torch thread counts (default: 1,2)",
+        help="torch thread counts (default: 1,2; with --prefix-cache-ttft one count, by "
+        "default the model's: 1 up to hidden size 512)",
     )
     parser.add_argument(
-        "--repeats", type=at_least(1), default=50, help="timed rounds (default: 50)"
+        "--repeats",
+        type=at_least(1),
+        default=None,
+        help="timed rounds (default: 50; with --prefix-cache-ttft, requests per engine: 10)",
     )
     parser.add_argument(
         "--vs-transformers",
@@ -79,6 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_capacity_options(parser)
     add_parallel_option(parser)
     add_sweep_arguments(parser)
+    add_prefix_arguments(parser)
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -92,6 +100,20 @@ def _validate(args: argparse.Namespace) -> None:
 def execute(args: argparse.Namespace) -> dict[str, Any]:
     _validate(args)
     progress = Progress.for_terminal(json_output=args.json)
+    if args.prefix_cache_ttft:  # one thread count (the model's default without --threads)
+        base = EngineSpec(
+            checkpoint=Path(args.checkpoint) if args.checkpoint else None,
+            quantization=args.quantization,
+            dtype=args.dtype,
+            platform=args.platform,
+            simulate=args.simulate,
+            **capacity_fields(args),
+        )
+        measured = run_prefix_ttft(base, prefix_options(args), progress.update)
+        progress.done("prefix-cache time to first token done")
+        return {"prefix_cache_ttft": measured}
+    args.threads = args.threads or [1, 2]
+    args.repeats = args.repeats or 50
     if args.context_sweep:
         base = EngineSpec(
             checkpoint=Path(args.checkpoint) if args.checkpoint else None,
@@ -166,6 +188,8 @@ def _render_limit(limit: dict[str, Any]) -> list[str]:
 def render(payload: dict[str, Any]) -> str:
     if "context_sweep" in payload:
         return render_sweep(payload["context_sweep"])
+    if "prefix_cache_ttft" in payload:
+        return render_prefix(payload["prefix_cache_ttft"])
     simulated = " (simulated on the CPU)" if payload["simulated"] else ""
     lines = [
         f"platform {payload['platform']}{simulated}, device {payload['device']}",

@@ -4,9 +4,11 @@ latency (time to first token, inter-token latency, end to end: mean, p50, p90, p
 Examples:
   dsv4 bench-serve --base-url http://127.0.0.1:8000 --model dsv4-tiny --concurrency 8
   dsv4 bench-serve --base-url http://127.0.0.1:8000 --model ./ckpt --request-rate 4 --json
+  dsv4 bench-serve --base-url http://127.0.0.1:8000 --model ./ckpt --shared-prefix-len 2048
 
 Tokens are counted from the usage the server reports. Prompts are --input-len random ASCII
-characters (that many tokens on a byte-level vocabulary); generation is greedy, --output-len
+characters (that many tokens on a byte-level vocabulary), after --shared-prefix-len characters
+every prompt starts with (what a prefix cache serves); generation is greedy, --output-len
 tokens at most (servers stop earlier at EOS unless --ignore-eos, which not every server takes).
 The command fails (exit 1) if the server does not answer a first short request, or if any
 request of the load fails.
@@ -49,6 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--input-len", type=at_least(1), default=32, help="prompt characters (default: 32)"
     )
     parser.add_argument(
+        "--shared-prefix-len",
+        type=at_least(0),
+        default=0,
+        help="characters of one prefix every prompt starts with, before its own --input-len "
+        "(default: 0)",
+    )
+    parser.add_argument(
         "--output-len", type=at_least(1), default=32, help="tokens per reply (default: 32)"
     )
     parser.add_argument(
@@ -75,6 +84,7 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
         api_key=args.api_key if args.api_key is not None else os.environ.get("OPENAI_API_KEY"),
         ignore_eos=args.ignore_eos,
         seed=args.seed,
+        shared_prefix_len=args.shared_prefix_len,
     )
     return run_load(options)
 
@@ -104,8 +114,13 @@ def render(payload: dict[str, Any]) -> str:
         f"throughput: {payload['request_throughput']:.3f} requests/s, "
         f"{payload['output_throughput']:.2f} output tokens/s, "
         f"{payload['total_token_throughput']:.2f} tokens/s in all",
-        f"tokens per request: {payload['mean_prompt_tokens']} prompt, "
-        f"{payload['mean_output_tokens']} output (from usage)",
+        f"tokens per request: {payload['mean_prompt_tokens']} prompt"
+        + (
+            f" (after a shared prefix of {payload['shared_prefix_len']} characters)"
+            if payload["shared_prefix_len"]
+            else ""
+        )
+        + f", {payload['mean_output_tokens']} output (from usage)",
         _latency("time to first token", payload["ttft_ms"]),
         _latency("inter-token latency", payload["itl_ms"]),
         _latency("end to end", payload["e2e_ms"]),

@@ -139,6 +139,13 @@ def add_capacity_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--block-size", type=at_least(1), default=16, metavar="TOKENS", help="default: 16"
     )
+    group.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="share the KV blocks of equal prompt prefixes between requests, so a repeated "
+        "prefix is computed once (default: on; --no-enable-prefix-caching turns it off)",
+    )
     budget = group.add_mutually_exclusive_group()
     budget.add_argument(
         "--kv-cache-memory",
@@ -226,6 +233,7 @@ def capacity_fields(args: argparse.Namespace) -> dict[str, Any]:
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
         "block_size": args.block_size,
+        "enable_prefix_caching": args.enable_prefix_caching,
         "kv_cache_memory": args.kv_cache_memory,
         "memory_fraction": args.memory_fraction,
     }

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 from dsv4.dtypes import dtype_name
@@ -43,6 +44,7 @@ from runners.cli.streaming import StreamPrinter, generate_streaming
 from runners.cli.values import at_least, non_negative_float, probability
 from runners.engine import (
     InvalidRequestError,
+    PrefixCacheStats,
     RequestFailedError,
     RequestOutput,
     RequestTooLongError,
@@ -50,7 +52,7 @@ from runners.engine import (
 )
 from runners.spec import Engine, EngineSpec, build_engine
 
-__all__ = ["add_arguments", "execute", "exit_code", "render"]
+__all__ = ["add_arguments", "execute", "exit_code", "prefix_cache_report", "render"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -201,6 +203,7 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
     payload["engine"] = {
         "preemptions": stats.preemptions,
         "released_blocks": stats.released_blocks,
+        "prefix_cache": prefix_cache_report(stats.prefix_cache),
     }
     payload["byte_level"] = byte_level
     payload["threads"] = threads
@@ -208,6 +211,15 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
     if stream is not None:
         payload["streamed"] = True  # human output only (never with --json): text already shown
     return payload
+
+
+def prefix_cache_report(stats: PrefixCacheStats | None) -> dict[str, Any]:
+    """The prefix cache's counts as ``run --json`` reports them (``enabled: false`` when off):
+    ``queries`` and ``hits`` count requests looked up and those that found a cached prefix,
+    ``query_tokens`` and ``hit_tokens`` their tokens and the tokens found (not computed)."""
+    if stats is None:
+        return {"enabled": False}
+    return {"enabled": True, **attrs.asdict(stats)}
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -277,6 +289,12 @@ def render(payload: dict[str, Any]) -> str:
             f"blocks of {capacity['block_size']} tokens "
             f"({capacity['kv_cache_bytes'] / 2**20:.1f} MiB of KV cache), "
             f"max-num-seqs {capacity['max_num_seqs']}"
+        )
+    cache = payload["engine"]["prefix_cache"]
+    if cache["enabled"]:
+        lines.append(
+            f"prefix cache: {cache['hit_tokens']} of {cache['query_tokens']} prompt tokens found "
+            f"cached ({cache['hits']} of {cache['queries']} requests)"
         )
     for i, out in enumerate(payload["outputs"]):
         lines.append(f"[{i}] prompt {out['prompt_ids']}")

@@ -16,6 +16,7 @@ from runners.engine.errors import (
 from runners.engine.executor import EngineLimits, ScheduledChunk, StepExecutor
 from runners.engine.llm import LLM, EngineStats, GenerateProgress
 from runners.engine.params import SamplingParams
+from runners.engine.prefix_cache import PrefixCacheStats
 from runners.engine.request import (
     FinishReason,
     Listener,
@@ -39,6 +40,7 @@ __all__ = [
     "GenerateProgress",
     "InvalidRequestError",
     "Listener",
+    "PrefixCacheStats",
     "RequestFailedError",
     "RequestOutput",
     "RequestTooLongError",

@@ -10,20 +10,25 @@ Contract, for every ``execute(chunks, token_ids)`` call the engine makes (``limi
 executor's ``EngineLimits``):
 - ``1 <= len(chunks) <= max_rows``; rows are distinct and in ``0 .. max_rows-1``; a row is held by
   one live request from its first chunk to its last (the executor may keep per-row state). A
-  preempted request starts again at position 0 as a new sequence, possibly in another row and
-  through other blocks.
+  preempted request starts again as a new sequence (at position 0, or where a prefix-cache hit
+  ends), possibly in another row and through other blocks.
 - ``len(token_ids[i]) == chunks[i].num_tokens``; every id is in ``0 .. vocab_size-1``; the total
   number of tokens is at most ``max_num_tokens``.
 - chunk ``i`` feeds the tokens at positions ``start_position .. start_position+num_tokens-1`` of
   its request; every earlier position was fed by earlier calls, through the same leading
-  ``block_ids`` (a request's block list only grows while it lives), which cover every position fed
-  and are owned by that request alone; block ids are in ``0 .. num_blocks-1``. A block all of
-  whose positions are more than ``lookback - 1`` before ``start_position`` is never read again:
-  the engine may have freed it (its id then stands for nothing, and may be any valid id).
+  ``block_ids`` (a request's block list only grows while it lives), which cover every position
+  fed; block ids are in ``0 .. num_blocks-1``. The earlier calls fed the request itself, or
+  (a prefix-cache hit, with ``prefix_boundary`` set: then ``start_position`` is a multiple of it
+  and this is the request's first chunk) other requests whose tokens before ``start_position``
+  are the request's. A block all of whose positions are more than ``lookback - 1`` before
+  ``start_position`` is never read again: the engine may have freed it (its id then stands for
+  nothing, and may be any valid id).
 - ``entry_block_ids`` likewise cover the request's compressed entries: ``ceil(e / block_size)``
-  blocks for its ``e = (start_position + num_tokens) // entry_rate`` complete entries, owned by it
-  alone, never released while it runs (preemption frees them, as it frees its blocks); ids are in
+  blocks for its ``e = (start_position + num_tokens) // entry_rate`` complete entries, never
+  released while it runs (preemption frees them, as it frees its blocks); ids are in
   ``0 .. num_entry_blocks-1``.
+- A block or entry block a chunk writes into is held by its request alone. Other live requests
+  may hold (and read) the blocks before a prefix-cache hit's end, which no chunk writes again.
 - The executor writes the KV of every fed token and returns float32 logits ``[len(chunks),
   vocab_size]``: row ``i`` is the next-token distribution after the LAST token of chunk ``i``.
   A sampled row holding NaN or inf fails its request alone (``FinishReason.ERROR``).
@@ -97,6 +102,26 @@ class EngineLimits:
     max_model_len: int | None = attrs.field(default=None)
     """The longest request in tokens when shorter than a row's blocks hold (``None``: they
     bound it)."""
+    prefix_boundary: int | None = attrs.field(default=None)
+    """Where a request's cache may be shared (``runners.engine.prefix_cache``): at a multiple
+    ``P`` of it, every block of either pool a request holds for its positions before ``P`` is
+    complete and no position or entry from ``P`` on is written into one of them. A multiple of
+    ``block_size * entry_rate``; ``None``: the executor's caches cannot be shared (no prefix
+    caching)."""
+
+    def __attrs_post_init__(self) -> None:
+        unit = self.block_size * self.entry_rate
+        boundary = self.prefix_boundary
+        if boundary is not None and (
+            isinstance(boundary, bool)
+            or not isinstance(boundary, int)
+            or boundary < 1
+            or boundary % unit
+        ):
+            raise EngineConfigError(
+                f"EngineLimits.prefix_boundary must be a positive multiple of block_size * "
+                f"entry_rate = {unit}, got {boundary!r}"
+            )
 
     @property
     def max_context(self) -> int:

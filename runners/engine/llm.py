@@ -19,6 +19,9 @@ Invariants:
 - Running out of KV blocks is not an error: requests are admitted by the blocks their next step
   needs, and when the blocks run out the newest running request is preempted and later
   recomputed (see ``scheduler``). Its output is the one it would have had without preemption.
+- With prefix caching (the default, where the executor allows it), a request admitted starts
+  from the longest prefix of its tokens another request computed (``prefix_cache``); its output
+  is the one it would have had without the cache.
 - One re-entrant lock serialises the public methods (see ``LLM``), so one engine may be shared
   by threads.
 - Host work per step is proportional to the number of chunks, not to the tokens fed (prefill
@@ -75,11 +78,14 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         eos_token_ids: Sequence[int] = (),
         detokenize: Detokenize | None = None,
+        enable_prefix_caching: bool = True,
     ) -> None:
         """``max_num_batched_tokens``: the token budget of one step (default and upper bound:
         the executor's ``limits.max_num_tokens``); ``eos_token_ids``: the ids that end every
         request not ignoring EOS; ``detokenize``: token ids to text, for ``RequestOutput.text``
-        and stop strings (without it, a request with stop strings is refused)."""
+        and stop strings (without it, a request with stop strings is refused);
+        ``enable_prefix_caching``: share the blocks of equal prompt prefixes between requests
+        (``prefix_cache``), where the executor allows it (``limits.prefix_boundary``)."""
         self.executor = executor
         limits = executor.limits
         budget = limits.max_num_tokens if max_num_batched_tokens is None else max_num_batched_tokens
@@ -106,6 +112,7 @@ class LLM:
             num_entry_blocks=limits.num_entry_blocks,
             entry_rate=limits.entry_rate,
             lookback=limits.lookback,
+            prefix_boundary=limits.prefix_boundary if enable_prefix_caching else None,
         )
         self._processing = LogitsProcessing(limits.max_rows, limits.vocab_size)
         self._ids = itertools.count()
@@ -184,6 +191,7 @@ class LLM:
                 total_entry_blocks=s.entry_blocks.size,
                 released_blocks=s.num_released_blocks,
                 preemptions=s.num_preemptions,
+                prefix_cache=None if s.prefix_cache is None else s.prefix_cache.stats(),
             )
 
     def generate(

@@ -5,18 +5,20 @@ KV is in the cache; the rest are fed in the next chunks. The invariants the sche
 - ``0 <= num_computed < len(token_ids)`` while the request is live: the newest token is always
   still to be fed (the last token of a finished request never is).
 - ``(released + len(block_ids)) * block_size >= num_computed``: the request's blocks cover every
-  cached token; they are a private, ordered list (block ``released + i`` holds positions
+  cached token; they are an ordered list (block ``released + i`` holds positions
   ``(released+i)*B ..``). The first ``released`` blocks held positions every later query is past
-  the lookback of: they went back to the pool while the request runs (``Scheduler``).
-- ``entry_block_ids`` (private, ordered, never released while the request runs) cover its
-  compressed entries: one entry slot per ``entry_rate`` cached tokens.
+  the lookback of: they went back to the pool while the request runs (``kv_blocks``). Blocks
+  before where a prefix-cache hit ended may be shared with other requests (read-only); every
+  block the request still writes is its own.
+- ``entry_block_ids`` (ordered, never released while the request runs, shared only where
+  complete) cover its compressed entries: one entry slot per ``entry_rate`` cached tokens.
 - ``row`` is a block-table row held by this request alone from admission to finish, abort or
   preemption. A waiting request (new or preempted) holds no row and no block.
 - Preemption empties the cache of a request (``num_computed = 0``, no blocks of either pool, no
-  row) and keeps
-  everything else: ``token_ids`` (so the tokens generated so far are neither lost nor generated
-  again, and still count toward ``max_tokens``) and ``generator`` (whose state has advanced only
-  for tokens actually sampled).
+  row; on resumption it may start from its own blocks, if the prefix cache still has them) and
+  keeps everything else: ``token_ids`` (so the tokens generated so far are neither lost nor
+  generated again, and still count toward ``max_tokens``) and ``generator`` (whose state has
+  advanced only for tokens actually sampled).
 - ``text`` (when the request detokenizes) and ``logprobs`` (when it asks for them) follow
   ``token_ids``: they cover exactly the output tokens sampled so far, preemption included.
 - Updates (``RequestUpdate``, for a request added with a listener) hand out each output token,
@@ -113,6 +115,7 @@ class Request:
     """Mutable engine-side state of one live request (see the module docstring)."""
 
     __slots__ = (
+        "block_hashes",
         "block_ids",
         "block_tuple",
         "entry_block_ids",
@@ -124,6 +127,7 @@ class Request:
         "num_computed",
         "params",
         "prompt_len",
+        "recorded_to",
         "released",
         "request_id",
         "row",
@@ -160,6 +164,11 @@ class Request:
         only when it changes."""
         self.entry_block_ids: list[int] = []
         self.entry_block_tuple: tuple[int, ...] = ()
+        self.block_hashes: list[bytes] = []
+        """Prefix-cache keys of the leading full blocks of ``token_ids`` (``prefix_cache``),
+        extended as they are needed; they depend on the tokens alone, so preemption keeps them."""
+        self.recorded_to = 0
+        """Positions whose complete blocks the prefix cache has keyed (or found) so far."""
         self.generator: torch.Generator | None = None
         self.text: IncrementalText | None = None
         if detokenize is not None and params.detokenize:

@@ -11,18 +11,12 @@ every older one has fed all it had pending, admission appends, and finishing or 
 removes), so step 1 feeds every decode before any prefill: a long prefill never stalls
 generation.
 
-Blocks of two pools (``EngineLimits``) are allocated lazily, as a request's tokens grow, and never
-reserved ahead: blocks of positions (the executor's window and compressor state) and entry
-blocks (compressed entries, one slot per ``entry_rate`` tokens). "Blocks" below means both.
-- Release: once every later query of a request is more than ``lookback - 1`` positions past a
-  block's last position, no layer can read that block again, so it goes back to the pool while
-  the request runs (after the step that moved the request past it; ``RELEASED_BLOCK`` stands in
-  for it in the chunks). A request therefore holds at most ``ceil((lookback - 1 + budget) /
-  block_size) + 1`` blocks of positions at once, however long it grows; entry blocks stay until
-  it finishes, since attention may select any entry. Without a ``lookback`` (an executor that
-  may read any earlier position) nothing is released.
+Blocks of two pools are allocated as a request's tokens grow, released past its lookback, and
+shared between requests by the prefix cache: ``runners.engine.kv_blocks``.
 - Admission: the head of the queue is admitted when a block-table row is free and the blocks of
-  its first chunk are free. A head that does not fit waits (at the head, so smaller requests
+  its first chunk are free, after the prefix cache's hit (its chunk then starts where the hit
+  ends, and the hit's cached blocks nobody held leave the free count). A head that does not fit
+  waits (at the head, so smaller requests
   behind it cannot starve it). Admission thus guarantees the first chunk only, not the whole
   request: more requests run at once than a worst-case reservation would allow.
 - Preemption: when a running request's chunk needs more blocks than are free, the newest running
@@ -30,7 +24,8 @@ blocks (compressed entries, one slot per ``entry_rate`` tokens). "Blocks" below 
   fits. Running requests are fed in admission order, so none preempted was fed in the step yet.
   A preempted request gives back its blocks and its row and goes to the front of the queue,
   so it resumes before any new request; it keeps its tokens (prompt and output so far) and its
-  sampling generator, and on resumption all of its tokens are fed again as a prefill (recompute).
+  sampling generator, and on resumption all of its tokens are fed again as a prefill (recompute),
+  from where the prefix cache's hit ends (its own blocks, if they were not evicted since).
   Logits are only sampled for a chunk that reaches a request's newest token, so a resumed request
   samples nothing until it has caught up, and the token it then samples is a new one: outputs
   (greedy or seeded) are those of a run without preemption, and no token counts twice.
@@ -38,9 +33,10 @@ blocks (compressed entries, one slot per ``entry_rate`` tokens). "Blocks" below 
   be preempted again.
 
 No deadlock, no livelock. A request is queued only if the most it holds of each pool at once
-(``Scheduler.most_held``) fits that pool, and it fits one row (``LLM.add_request`` refuses the
+(``KVBlocks.most_held``) fits that pool, and it fits one row (``LLM.add_request`` refuses the
 others with ``RequestTooLongError``), so a request alone in the engine always has the blocks it
-needs. Hence the oldest running request is never preempted:
+needs (cached blocks nobody holds count as free). Hence the oldest running request is never
+preempted:
 it is fed first, and preempting every newer one would leave it alone. It is fed at least one token
 every step (the budget is at least one), so it finishes; then the next oldest is the oldest. An
 engine with no running request admits its queue's head (every block and row is free), and the
@@ -64,13 +60,10 @@ import attrs
 
 from runners.engine.block_pool import BlockPool
 from runners.engine.executor import ScheduledChunk
+from runners.engine.kv_blocks import RELEASED_BLOCK, KVBlocks
 from runners.engine.request import FinishReason, Request, RequestOutput
 
 __all__ = ["RELEASED_BLOCK", "ScheduledStep", "Scheduler"]
-
-RELEASED_BLOCK = 0
-"""The id a chunk carries for a released block: any valid id does, since the executor never reads
-a block all of whose positions left every layer's lookback (``runners.engine.executor``)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -93,7 +86,8 @@ class Scheduler:
 
     Invariants between calls: ``running`` is in admission order and holds exactly the live
     requests with a row; every other live request is in ``waiting`` and holds no row and no block;
-    the blocks of the running requests are disjoint and, with the free ones, make up the pool.
+    a block's references are the running requests holding it, and the blocks held, with the free
+    ones (cached or not), make up the pool.
     """
 
     def __init__(
@@ -106,25 +100,35 @@ class Scheduler:
         num_entry_blocks: int | None = None,
         entry_rate: int = 1,
         lookback: int | None = None,
+        prefix_boundary: int | None = None,
     ) -> None:
         """``num_entry_blocks``: the entry pool (default: as many as ``num_blocks``);
-        ``entry_rate``: tokens per entry slot; ``lookback``: see the module docstring."""
-        self.block_size = block_size
+        ``entry_rate``: tokens per entry slot; ``lookback``: see ``kv_blocks``;
+        ``prefix_boundary``: where prefix-cache hits may end (``None``: no prefix cache)."""
         self.token_budget = token_budget
-        self.entry_rate = entry_rate
-        self.lookback = lookback
-        self.blocks = BlockPool(num_blocks, what="KV block")
-        self.entry_blocks = BlockPool(
-            num_blocks if num_entry_blocks is None else num_entry_blocks, what="entry block"
+        self.kv = KVBlocks(
+            num_blocks=num_blocks,
+            num_entry_blocks=num_blocks if num_entry_blocks is None else num_entry_blocks,
+            block_size=block_size,
+            entry_rate=entry_rate,
+            lookback=lookback,
+            token_budget=token_budget,
+            prefix_boundary=prefix_boundary,
         )
+        self.block_size, self.entry_rate, self.lookback = block_size, entry_rate, lookback
+        self.blocks, self.entry_blocks = self.kv.blocks, self.kv.entry_blocks
+        self.prefix_cache = self.kv.prefix_cache
         self.rows = BlockPool(max_rows, what="block-table row")
-        self.num_released_blocks = 0
-        """Blocks given back by running requests so far (their positions left the lookback)."""
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.live: dict[str, Request] = {}
         self.num_preemptions = 0
         """Preemptions so far (a request preempted twice counts twice)."""
+
+    @property
+    def num_released_blocks(self) -> int:
+        """Blocks given back by running requests so far (their positions left the lookback)."""
+        return self.kv.num_released
 
     def add(self, request: Request) -> None:
         """Queue a validated request whose id is not live."""
@@ -147,13 +151,16 @@ class Scheduler:
             return step if step.chunks else None
         while budget > 0 and self.waiting and self.rows.num_free > 0:
             request = self.waiting[0]
-            count = min(len(request.token_ids), budget)
-            if not self._fits(request, count):
+            hit = self.kv.lookup(request)
+            start = 0 if hit is None else hit.num_tokens
+            count = min(len(request.token_ids) - start, budget)
+            if not self.kv.fits(request, start + count, hit):
                 break
             self.waiting.popleft()
             request.row = self.rows.allocate(1)[0]
             self.running.append(request)
-            self._grow(request, count)
+            self.kv.start(request, hit)
+            self.kv.grow(request, start + count)
             budget -= self._feed(step, request, count)
         return step if step.chunks else None
 
@@ -162,7 +169,7 @@ class Scheduler:
         the reason it could not be sampled (that request then finishes with an error)."""
         for chunk, request in zip(step.chunks, step.requests, strict=True):
             request.num_computed += chunk.num_tokens
-            self._release_passed(request)
+            self.kv.advance(request)
         finished: list[RequestOutput] = []
         requests = step.requests
         for index, token in zip(step.sample_rows, sampled, strict=True):
@@ -195,67 +202,20 @@ class Scheduler:
 
     def most_held(self, length: int) -> tuple[int, int]:
         """The most blocks and entry blocks a request of ``length`` cached tokens holds at once
-        (see the module docstring)."""
-        blocks = self._blocks_for(length)
-        if self.lookback is not None:
-            window = self._blocks_for(self.lookback - 1 + self.token_budget) + 1
-            blocks = min(blocks, window)
-        return blocks, self._entry_blocks_for(length)
-
-    def _blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-    def _entry_blocks_for(self, num_tokens: int) -> int:
-        """Entry blocks covering the entries ``num_tokens`` tokens complete."""
-        return self._blocks_for(num_tokens // self.entry_rate)
-
-    def _lacking(self, request: Request, end: int) -> tuple[int, int]:
-        """Blocks and entry blocks ``request`` lacks to cover positions ``0 .. end-1``."""
-        held = request.released + len(request.block_ids)
-        return (
-            max(0, self._blocks_for(end) - held),
-            max(0, self._entry_blocks_for(end) - len(request.entry_block_ids)),
-        )
-
-    def _fits(self, request: Request, end: int) -> bool:
-        blocks, entries = self._lacking(request, end)
-        return blocks <= self.blocks.num_free and entries <= self.entry_blocks.num_free
+        (``KVBlocks.most_held``)."""
+        return self.kv.most_held(length)
 
     def _make_room(self, request: Request, end: int) -> bool:
         """Give running ``request`` the blocks covering positions ``0 .. end-1``, preempting the
         newest running requests while too few are free; False if ``request`` itself (then the
         newest) had to be preempted."""
-        while not self._fits(request, end):
+        while not self.kv.fits(request, end):
             victim = self.running.pop()
             self._preempt(victim)
             if victim is request:
                 return False
-        self._grow(request, end)
+        self.kv.grow(request, end)
         return True
-
-    def _grow(self, request: Request, end: int) -> None:
-        """Allocate the blocks ``request`` lacks to cover positions ``0 .. end-1`` (the caller
-        checked they are free)."""
-        blocks, entries = self._lacking(request, end)
-        if blocks > 0:
-            request.block_ids.extend(self.blocks.allocate(blocks))
-            _retuple(request)
-        if entries > 0:
-            request.entry_block_ids.extend(self.entry_blocks.allocate(entries))
-            request.entry_block_tuple = tuple(request.entry_block_ids)
-
-    def _release_passed(self, request: Request) -> None:
-        """Give back the leading blocks of ``request`` that no later query can read."""
-        if self.lookback is None:
-            return
-        passed = max(0, request.num_computed - self.lookback + 1) // self.block_size
-        count = passed - request.released
-        if count > 0:
-            self.blocks.free(request.block_ids[:count])
-            del request.block_ids[:count]
-            request.released = passed
-            self.num_released_blocks += count
-            _retuple(request)
 
     def _feed(self, step: ScheduledStep, request: Request, count: int) -> int:
         """Add ``request``'s next ``count`` tokens to ``step`` (its blocks cover them)."""
@@ -294,17 +254,6 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         assert request.row is not None
-        self.blocks.free(request.block_ids)
-        self.entry_blocks.free(request.entry_block_ids)
+        self.kv.release(request)
         self.rows.free([request.row])
-        request.block_ids = []
-        request.released = 0
-        request.block_tuple = ()
-        request.entry_block_ids = []
-        request.entry_block_tuple = ()
         request.row = None
-
-
-def _retuple(request: Request) -> None:
-    """Rebuild the block list a chunk carries after blocks were added or released."""
-    request.block_tuple = (RELEASED_BLOCK,) * request.released + tuple(request.block_ids)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import attrs
 
+from runners.engine.prefix_cache import PrefixCacheStats
+
 __all__ = ["EngineStats", "GenerateProgress"]
 
 
@@ -27,13 +29,17 @@ class EngineStats:
     """Live requests without a row: new ones, and preempted ones waiting to be recomputed."""
     running: int
     free_blocks: int
+    """Blocks the engine may allocate now: cached blocks no request holds count as free."""
     total_blocks: int
     free_rows: int
     total_rows: int
     free_entry_blocks: int
+    """Entry blocks the engine may allocate now (cached idle ones included)."""
     total_entry_blocks: int
     released_blocks: int
     """Blocks running requests gave back so far, their positions past every layer's lookback."""
     preemptions: int
     """Requests preempted so far (each time, so one request may count more than once): each one
     gave back its blocks and row and is recomputed from its tokens when it resumes."""
+    prefix_cache: PrefixCacheStats | None = None
+    """The prefix cache's counts; ``None`` when the engine has no prefix cache."""

@@ -6,7 +6,9 @@ platform conformance kit. A configuration is run through the real engine and run
 ``NONE``) of the same model on the same prompts.
 
 Invariants:
-- The scheduler is deterministic, so two runs that sample the same tokens issue the same steps;
+- The scheduler is deterministic, so two runs that sample the same tokens issue the same steps
+  (the eager run takes the configuration's engine settings, the prefix cache included: a hit
+  changes which steps run, never what they compute);
   logits are compared step by step for as long as the steps agree, and ``max_abs_diff`` is the
   largest difference seen there.
 - Logits are compared on the CPU in float32, whatever device each run used.
@@ -119,6 +121,8 @@ class Trace:
     steps: tuple[tuple[StepKey, torch.Tensor], ...]
     num_graphs: int
     num_eager_breaks: int
+    prefix_cache_hit_tokens: int
+    """Prompt tokens found in the prefix cache, so not computed (0 when it is off)."""
 
     @property
     def tolerance(self) -> float:
@@ -134,6 +138,8 @@ class Comparison:
     max_abs_diff: float | None = None
     detail: str = ""
     resolution: Resolution | None = None
+    prefix_cache_hit_tokens: int | None = None
+    """The judged run's ``Trace.prefix_cache_hit_tokens`` (``None`` when nothing ran)."""
 
 
 def run_trace(
@@ -147,8 +153,13 @@ def run_trace(
     """Run ``prompts`` through the engine ``spec`` describes, recording every step."""
     engine = build_engine(spec, model=model)
     recorder = RecordingExecutor(engine.runner)
-    llm = LLM(recorder, max_num_batched_tokens=max_num_batched_tokens)
+    llm = LLM(
+        recorder,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_caching=spec.enable_prefix_caching,
+    )
     outputs = llm.generate(prompts, params)
+    cache = llm.stats().prefix_cache
     return Trace(
         resolution=engine.resolution,
         dtype=model.compute_dtype,
@@ -156,6 +167,7 @@ def run_trace(
         steps=tuple(recorder.steps),
         num_graphs=engine.runner.num_graphs,
         num_eager_breaks=engine.runner.num_eager_breaks,
+        prefix_cache_hit_tokens=0 if cache is None else cache.hit_tokens,
     )
 
 
@@ -202,11 +214,18 @@ def judge(trace: Trace, eager: Trace, *, atol: float | None = None) -> Compariso
             detail=f"prompt {first}: tokens {list(trace.outputs[first])} != eager "
             f"{list(eager.outputs[first])}",
             resolution=trace.resolution,
+            prefix_cache_hit_tokens=trace.prefix_cache_hit_tokens,
         )
     limit = max(trace.tolerance, eager.tolerance) if atol is None else atol
     status = Status.EQUAL if diff <= limit else Status.MISMATCH
     detail = "" if status is Status.EQUAL else f"logits differ by {diff:.3g} > {limit:g}"
-    return Comparison(status=status, max_abs_diff=diff, detail=detail, resolution=trace.resolution)
+    return Comparison(
+        status=status,
+        max_abs_diff=diff,
+        detail=detail,
+        resolution=trace.resolution,
+        prefix_cache_hit_tokens=trace.prefix_cache_hit_tokens,
+    )
 
 
 def compare_to_eager(

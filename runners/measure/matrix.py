@@ -207,6 +207,7 @@ def _cell_payload(cell: Cell, verdict: Comparison) -> dict[str, Any]:
         },
         "status": verdict.status.value,
         "max_abs_diff": verdict.max_abs_diff,
+        "prefix_cache_hit_tokens": verdict.prefix_cache_hit_tokens,
         "detail": verdict.detail,
     }
 
@@ -219,6 +220,7 @@ def _reference_payload(platform: str, simulated: bool, trace: Trace, atol: float
         "dtype": str(trace.dtype).removeprefix("torch."),
         "atol": atol,
         "outputs": [list(o) for o in trace.outputs],
+        "prefix_cache_hit_tokens": trace.prefix_cache_hit_tokens,
     }
 
 

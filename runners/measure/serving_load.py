@@ -14,7 +14,10 @@ Invariants:
   that succeeded.
 - Prompts are ``input_len`` random lowercase words and spaces, ``input_len`` characters long
   (``input_len`` tokens on a byte-level vocabulary; the report gives the server's count), a
-  pure function of the seed, distinct per request. Greedy (``temperature`` 0).
+  pure function of the seed, distinct per request, after one prefix of ``shared_prefix_len``
+  such characters that every prompt starts with (a system prompt or a shared document: what a
+  prefix cache serves; vLLM's benchmark calls it ``--random-prefix-len``). Greedy
+  (``temperature`` 0).
 - Only the standard library is used (``http.client`` in threads, one per request in flight),
   so it measures servers without bringing its own event loop into the comparison.
 """
@@ -56,6 +59,8 @@ class LoadOptions:
     api_key: str | None = None
     ignore_eos: bool = False
     seed: int = 0
+    shared_prefix_len: int = 0
+    """Characters every prompt starts with, before its own ``input_len``."""
     timeout_s: float = 600.0
 
 
@@ -70,16 +75,23 @@ class RequestResult:
     latency_s: float = 0.0
 
 
-def make_prompts(count: int, length: int, seed: int) -> list[str]:
-    """``count`` prompts of ``length`` characters (module docstring)."""
+def make_prompts(count: int, length: int, seed: int, shared_prefix_len: int = 0) -> list[str]:
+    """``count`` prompts of ``shared_prefix_len + length`` characters, the first
+    ``shared_prefix_len`` the same in all (module docstring)."""
     rng = random.Random(seed)
-    prompts = []
-    for _ in range(count):
-        words: list[str] = []
-        while sum(len(w) + 1 for w in words) < length:
-            words.append(rng.choice(WORDS))
-        prompts.append(" ".join(words)[:length])
-    return prompts
+    prefix = ""
+    if shared_prefix_len:
+        prefix = _words(random.Random(f"{seed} prefix"), shared_prefix_len + 8)
+        prefix = prefix[: shared_prefix_len - 1] + " "
+    return [prefix + _words(rng, length) for _ in range(count)]
+
+
+def _words(rng: random.Random, length: int) -> str:
+    """``length`` characters of words drawn from ``WORDS``, separated by spaces."""
+    words: list[str] = []
+    while sum(len(w) + 1 for w in words) < length:
+        words.append(rng.choice(WORDS))
+    return " ".join(words)[:length]
 
 
 class _Endpoint:
@@ -170,7 +182,9 @@ def run_load(options: LoadOptions) -> dict[str, Any]:
         raise ServerUnreachableError(
             f"{options.base_url} did not serve a completion: {probe.error}"
         )
-    prompts = make_prompts(options.num_prompts, options.input_len, options.seed)
+    prompts = make_prompts(
+        options.num_prompts, options.input_len, options.seed, options.shared_prefix_len
+    )
     results: list[RequestResult | None] = [None] * len(prompts)
     slots = threading.Semaphore(options.concurrency or len(prompts))
     gaps = random.Random(options.seed + 1)
@@ -223,6 +237,7 @@ def _report(options: LoadOptions, results: list[RequestResult], duration: float)
         "concurrency": options.concurrency,
         "request_rate": options.request_rate,
         "input_len": options.input_len,
+        "shared_prefix_len": options.shared_prefix_len,
         "output_len": options.output_len,
         "completed": len(good),
         "failed": len(results) - len(good),

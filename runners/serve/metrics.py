@@ -10,6 +10,10 @@ thread-safe); ``GET /metrics`` renders them in the text exposition format.
 - ``dsv4:prompt_tokens_total`` (counted once a request's prefill is done),
   ``dsv4:generation_tokens_total``, ``dsv4:num_preemptions_total``,
   ``dsv4:request_success_total{finished_reason}`` (``stop``, ``length``, ``abort``, ``error``).
+- ``dsv4:prefix_cache_queries_total`` / ``dsv4:prefix_cache_hits_total``: tokens, as vLLM
+  counts them: the tokens of every request looked up in the prefix cache when it was admitted
+  (again when a preempted one resumes), and the tokens found there (not computed); their ratio
+  is the hit rate. Both stay 0 with ``--no-enable-prefix-caching``.
 - Histograms ``dsv4:time_to_first_token_seconds``, ``dsv4:inter_token_latency_seconds`` and
   ``dsv4:e2e_request_latency_seconds``, timed from when the server queued the request.
 """
@@ -55,6 +59,14 @@ class Metrics:
         self.preemptions = Counter(
             "dsv4:num_preemptions", "Requests preempted (recomputed later).", registry=r
         )
+        self.prefix_queries = Counter(
+            "dsv4:prefix_cache_queries",
+            "Tokens of the requests looked up in the prefix cache.",
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "dsv4:prefix_cache_hits", "Tokens found in the prefix cache.", registry=r
+        )
         self.success = Counter(
             "dsv4:request_success",
             "Requests ended, by finish reason.",
@@ -84,6 +96,7 @@ class Metrics:
         for reason in ("stop", "length", "abort", "error"):
             self.success.labels(finished_reason=reason)
         self._preemptions_seen = 0
+        self._prefix_seen = (0, 0)
 
     def first_token(self, seconds: float, prompt_tokens: int) -> None:
         self.ttft.observe(seconds)
@@ -102,13 +115,20 @@ class Metrics:
         self.e2e.observe(seconds)
 
     def engine_state(self, stats: EngineStats) -> None:
-        """The engine after a step: queues, cache use and preemptions so far."""
+        """The engine after a step: queues, cache use, preemptions and prefix-cache tokens so
+        far."""
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
         self.kv_usage.set(1.0 - stats.free_blocks / stats.total_blocks)
         if stats.preemptions > self._preemptions_seen:
             self.preemptions.inc(stats.preemptions - self._preemptions_seen)
             self._preemptions_seen = stats.preemptions
+        cache = stats.prefix_cache
+        if cache is not None and (cache.query_tokens, cache.hit_tokens) != self._prefix_seen:
+            queried, hit = self._prefix_seen
+            self.prefix_queries.inc(cache.query_tokens - queried)
+            self.prefix_hits.inc(cache.hit_tokens - hit)
+            self._prefix_seen = (cache.query_tokens, cache.hit_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

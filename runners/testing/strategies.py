@@ -25,9 +25,12 @@ FIXED_PROMPTS: tuple[tuple[int, ...], ...] = (
     (5, 17, 42, 8, 61, 3, 29, 11, 50, 2, 36),
     (7,),
     (9, 1, 40, 1, 23),
+    (5, 17, 42, 8, 61, 3, 29, 11, 13, 6),
 )
-"""Three requests for the deterministic pass: 11 tokens (a chunked prefill past the window and
-both compression rates), 1 (decode from the start) and 5 (padding to a captured size)."""
+"""Four requests for the deterministic pass: 11 tokens (a chunked prefill past the window and
+both compression rates), 1 (decode from the start), 5 (padding to a captured size) and 10 whose
+first 8 are the first request's (the fixed model's prefix boundary at the kit's 4-token blocks),
+admitted after those are computed: a prefix-cache hit in every configuration."""
 
 
 def fixed_config() -> DeepseekV4Config:

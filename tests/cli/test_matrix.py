@@ -127,3 +127,40 @@ def test_an_error_in_a_cell_is_reported_and_fails_the_gate(
     payload = json.loads(capsys.readouterr().out)
     errors = [c for c in payload["cells"] if c["status"] == "error"]
     assert errors and all(c["detail"] == "RuntimeError: injected kernel failure" for c in errors)
+
+
+def test_matrix_passes_with_prefix_cache_hits_and_keeps_the_uncached_tokens(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The second prompt is the first's 64 tokens (the tiny model's prefix boundary at 16-token
+    blocks) plus its own: in every run cell and the eager reference it finds those 64 tokens
+    cached, every allowed cell is equal, and the tokens are those of a matrix without the cache."""
+    shared = ",".join(str(t) for t in range(1, 65))
+    argv = [
+        "matrix",
+        "--platform",
+        "cuda",
+        "--simulate",
+        "--prompt-ids",
+        f"{shared},65,66",
+        "--prompt-ids",
+        f"{shared},200,201,202",
+        "--max-new-tokens",
+        "2",
+        "--capture-sizes",
+        "1,2",
+        "--threads",
+        "1",
+        "--json",
+    ]
+    assert main(argv) == 0
+    cached = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--no-enable-prefix-caching"]) == 0
+    uncached = json.loads(capsys.readouterr().out)
+    ran = [cell for cell in cached["cells"] if cell["status"] != "refused"]
+    assert ran and all(cell["status"] == "equal" for cell in ran)
+    assert {cell["prefix_cache_hit_tokens"] for cell in ran} == {64}
+    (reference,) = cached["references"]
+    assert reference["prefix_cache_hit_tokens"] == 64
+    assert uncached["references"][0]["prefix_cache_hit_tokens"] == 0
+    assert reference["outputs"] == uncached["references"][0]["outputs"]

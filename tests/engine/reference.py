@@ -7,8 +7,11 @@ it writes each fed token into its own flat cache at the slot the chunk's blocks 
 history back through the same blocks. So a wrong position, a wrong or shared block, a block freed
 while still in use, a skipped or duplicated token all change the logits, and with them the tokens;
 the engine's output then differs from ``reference_generate``, which calls ``history_logits`` on the
-true history. It also checks every rule of the ``StepExecutor`` contract on every call, and can
-fail on demand: a whole call (``fail_next``) or the logits of chosen requests (``poisoned``).
+true history. With a ``prefix_boundary``, a request may start from a prefix-cache hit: its
+history before the hit is then read from blocks other requests wrote, and any wrong one (another
+prefix's, a block rewritten since, or one never written) shows the same way. It also checks
+every rule of the ``StepExecutor`` contract on every call, and can fail on demand: a whole
+call (``fail_next``) or the logits of chosen requests (``poisoned``).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class ReferenceExecutor:
         block_size: int = 4,
         max_blocks_per_row: int = 8,
         vocab_size: int = 16,
+        prefix_boundary: int | None = None,
     ) -> None:
         self.limits = EngineLimits(
             max_rows=max_rows,
@@ -53,6 +57,7 @@ class ReferenceExecutor:
             block_size=block_size,
             max_blocks_per_row=max_blocks_per_row,
             vocab_size=vocab_size,
+            prefix_boundary=prefix_boundary,
         )
         self.cache: list[int | None] = [None] * (num_blocks * block_size)
         self.rows: dict[int, tuple[tuple[int, ...], int]] = {}
@@ -78,7 +83,7 @@ class ReferenceExecutor:
         rows = [c.row for c in chunks]
         require(len(set(rows)) == len(rows), f"rows repeat in one step: {rows}")
         require(sum(c.num_tokens for c in chunks) <= limits.max_num_tokens, "over max_num_tokens")
-        used: set[int] = set()
+        held: list[tuple[set[int], set[int]]] = []  # per chunk: blocks it reads, and writes
         for chunk, ids in zip(chunks, token_ids, strict=True):
             require(0 <= chunk.row < limits.max_rows, f"row {chunk.row}")
             require(len(ids) == chunk.num_tokens, "token count differs from num_tokens")
@@ -87,17 +92,27 @@ class ReferenceExecutor:
             require(len(blocks) <= limits.max_blocks_per_row, "more blocks than a row holds")
             require(len(set(blocks)) == len(blocks), f"a block repeats in row {chunk.row}")
             require(all(0 <= b < limits.num_blocks for b in blocks), f"block ids {blocks}")
-            require(not used & set(blocks), f"rows share blocks {used & set(blocks)}")
-            used |= set(blocks)
             end = chunk.start_position + chunk.num_tokens
             require(end <= len(blocks) * limits.block_size, "blocks do not cover the chunk")
-            if chunk.start_position > 0:
-                previous = self.rows.get(chunk.row)
-                require(previous is not None, f"row {chunk.row} resumes with no history")
-                assert previous is not None
-                old_blocks, fed = previous
-                require(chunk.start_position <= fed, "a position was skipped")
-                require(blocks[: len(old_blocks)] == old_blocks, "a row's blocks changed")
+            held.append((set(blocks), set(blocks[chunk.start_position // limits.block_size :])))
+            previous = self.rows.get(chunk.row)
+            continues = (
+                previous is not None
+                and blocks[: len(previous[0])] == previous[0]
+                and chunk.start_position <= previous[1]
+            )
+            if chunk.start_position > 0 and not continues:
+                # only a new sequence starting where a prefix-cache hit ends may do this
+                boundary = limits.prefix_boundary
+                require(boundary is not None, f"row {chunk.row} resumes with no history")
+                assert boundary is not None
+                require(chunk.start_position % boundary == 0, "a hit ends off a boundary")
+        for i, (reads, writes) in enumerate(held):
+            for other_reads, _ in held[:i] + held[i + 1 :]:
+                if limits.prefix_boundary is None:
+                    require(not reads & other_reads, f"rows share blocks {reads & other_reads}")
+                shared = writes & other_reads
+                require(not shared, f"a chunk writes blocks another chunk reads: {shared}")
 
     def execute(
         self, chunks: Sequence[ScheduledChunk], token_ids: Sequence[Sequence[int]]

@@ -1,9 +1,13 @@
-"""Hypothesis: random caches, budgets, arrivals, aborts, executor failures and requests whose
-logits turn to NaN; the engine's tokens equal the reference loop's (a failed request's up to its
-failure), every step keeps the scheduling, preemption and block-accounting invariants, and
-everything is free at the end. Caches are small, so many schedules preempt."""
+"""Hypothesis: random caches, budgets, arrivals sharing random prefixes, aborts, executor failures
+and requests whose logits turn to NaN, with or without a prefix cache; the engine's tokens equal
+the reference loop's (a failed request's up to its failure), every step keeps the scheduling,
+preemption and block-accounting invariants, and everything is free at the end. Caches are
+small, so many schedules preempt, and requests that share a prefix start from each other's
+blocks (the reference executor reads every token of a history back through them)."""
 
 from __future__ import annotations
+
+import collections
 
 import attrs
 from hypothesis import event, given, settings
@@ -16,6 +20,7 @@ from runners.engine import (
     RequestTooLongError,
     SamplingParams,
 )
+from runners.engine.request import Request
 from runners.engine.scheduler import RELEASED_BLOCK
 from tests.engine.reference import ReferenceExecutor, reference_generate
 
@@ -37,6 +42,8 @@ class Arrival:
 @attrs.frozen(kw_only=True)
 class Scenario:
     executor: dict[str, int]
+    prefix_boundary: int | None
+    """Where prefix-cache hits may end (None: no prefix cache)."""
     budget: int
     arrivals: tuple[Arrival, ...]
     failing_steps: frozenset[int]
@@ -71,10 +78,18 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         "max_num_tokens": draw(st.integers(1, 12)),
         "vocab_size": VOCAB,
     }
+    boundary_blocks = draw(st.none() | st.integers(1, 3))
     context = sizes["block_size"] * sizes["max_blocks_per_row"]
+    shared = draw(
+        st.lists(tokens, min_size=min(context, 3 * sizes["block_size"]), max_size=context)
+    )
     arrival = st.builds(
         Arrival,
-        prompt=st.lists(tokens, min_size=1, max_size=context + 2).map(tuple),
+        prompt=st.builds(
+            lambda n, own: (*shared[:n], *own),
+            st.just(len(shared)) | st.integers(0, len(shared)),
+            st.lists(tokens, min_size=1, max_size=context + 2),
+        ),
         params=greedy | seeded,
         at_step=st.integers(0, 8),
         abort_at=st.none() | st.integers(0, 20),
@@ -86,6 +101,7 @@ def scenarios(draw: st.DrawFn) -> Scenario:
     )
     return Scenario(
         executor=sizes,
+        prefix_boundary=None if boundary_blocks is None else boundary_blocks * sizes["block_size"],
         budget=draw(st.integers(1, sizes["max_num_tokens"])),
         arrivals=tuple(draw(st.lists(arrival, min_size=1, max_size=6))),
         failing_steps=draw(st.frozensets(st.integers(0, 20), max_size=2)),
@@ -128,16 +144,48 @@ class Before:
 
 
 def check_block_accounting(llm: LLM) -> None:
-    """Running requests hold disjoint blocks, entry blocks and rows which, with the free ones,
-    make up the pools; a released block held only positions past the lookback of every later
-    query; every other live request (new or preempted) waits holding nothing."""
+    """Running requests hold blocks, entry blocks and rows which, with the free ones, make up
+    the pools; a block's references are the running requests holding it. Requests share a block
+    only with a prefix cache, each at the same place in its list, with equal tokens up to where
+    it is complete and having computed past that (so none writes it again); a released block held
+    only positions past the lookback of every later query; every other live request (new or
+    preempted) waits holding nothing."""
     scheduler = llm.scheduler
-    for pool, owned in (
-        (scheduler.blocks, [b for r in scheduler.running for b in r.block_ids]),
-        (scheduler.entry_blocks, [b for r in scheduler.running for b in r.entry_block_ids]),
+    size = scheduler.block_size
+    cache = scheduler.prefix_cache
+
+    def entry_block_end(index: int) -> int:
+        """Where entry block ``index`` is complete: the boundary its last entry is done by."""
+        assert cache is not None
+        end = (index + 1) * size * scheduler.entry_rate
+        return -(-end // cache.boundary) * cache.boundary
+
+    for pool, holdings, end_of in (
+        (
+            scheduler.blocks,
+            [(r, r.released, r.block_ids) for r in scheduler.running],
+            lambda index: (index + 1) * size,
+        ),
+        (
+            scheduler.entry_blocks,
+            [(r, 0, r.entry_block_ids) for r in scheduler.running],
+            entry_block_end,
+        ),
     ):
-        assert len(set(owned)) == len(owned)
-        assert len(owned) + pool.num_free == pool.size
+        holders: dict[int, list[tuple[Request, int]]] = collections.defaultdict(list)
+        for request, first, ids in holdings:
+            for index, block in enumerate(ids, start=first):
+                holders[block].append((request, index))
+        for block, held_by in holders.items():
+            assert pool.refs(block) == len(held_by)
+            if len(held_by) == 1:
+                continue
+            assert cache is not None, f"block {block} shared without a prefix cache"
+            assert len({index for _, index in held_by}) == 1, f"block {block} shared apart"
+            end = end_of(held_by[0][1])
+            assert len({tuple(r.token_ids[:end]) for r, _ in held_by}) == 1
+            assert all(r.num_computed >= end for r, _ in held_by)
+        assert len(holders) + pool.num_free == pool.size
     rows = [r.row for r in scheduler.running]
     assert None not in rows and len(set(rows)) == len(rows)
     assert len(rows) + scheduler.rows.num_free == scheduler.rows.size
@@ -187,7 +235,7 @@ def check_step_invariants(
 @settings(max_examples=8 * settings().max_examples)
 @given(scenarios())
 def test_engine_equals_reference_under_any_schedule(scenario: Scenario) -> None:
-    executor = ReferenceExecutor(**scenario.executor)
+    executor = ReferenceExecutor(**scenario.executor, prefix_boundary=scenario.prefix_boundary)
     executor.poisoned = lambda h: h[0] == POISON and len(h) >= scenario.poison_length
     llm = LLM(executor, max_num_batched_tokens=scenario.budget)
     ids: dict[str, Arrival] = {}
@@ -243,3 +291,5 @@ def test_engine_equals_reference_under_any_schedule(scenario: Scenario) -> None:
     stats = llm.stats()
     assert (stats.free_blocks, stats.free_rows) == (stats.total_blocks, stats.total_rows)
     event("preempted" if stats.preemptions else "not preempted")
+    if stats.prefix_cache is not None:
+        event("prefix hit" if stats.prefix_cache.hits else "no prefix hit")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import pytest
 from hypothesis import HealthCheck, Phase
 
@@ -16,13 +17,16 @@ from graphs.backend import GraphBackend
 from graphs.strategies import EagerRegionStrategy
 from platforms import CpuPlatform, CudaPlatform, Platform
 from platforms.cpu import tape_backend
+from runners.measure.equivalence import run_trace
 from runners.testing import (
     SIMULATION_SCOPE,
     PlatformConformanceTests,
     SimulatedRunWarning,
     kit_settings,
 )
+from runners.testing.checks import STEP_BUDGET, Workload, engine_spec
 from runners.testing.passes import random_search
+from runners.testing.strategies import FIXED_PROMPTS, fixed_config
 
 
 class CaptureFailsPlatform(CpuPlatform):
@@ -213,3 +217,18 @@ def test_the_fast_single_process_pass_runs_before_the_parallel_one() -> None:
     tests = [name for name in vars(PlatformConformanceTests) if name.startswith("test_")]
     single = tests.index("test_every_allowed_configuration_generates_the_eager_output")
     assert single < tests.index("test_parallel_runs_generate_the_single_rank_output")
+
+
+def test_the_deterministic_pass_finds_a_cached_prefix_and_keeps_the_uncached_tokens() -> None:
+    """The fourth fixed prompt starts with the first's 8 tokens (the fixed model's prefix
+    boundary at the kit's 4-token blocks): the eager reference every configuration is compared
+    with finds them cached, and generates what an engine without the cache generates."""
+    platform = CpuPlatform()
+    workload = Workload.build(platform, fixed_config(), FIXED_PROMPTS, seed=0, max_new_tokens=4)
+    assert workload.eager.prefix_cache_hit_tokens == 8
+    spec = attrs.evolve(engine_spec(platform), cudagraph_mode="NONE", enable_prefix_caching=False)
+    uncached = run_trace(
+        spec, workload.model, workload.prompts, workload.params, max_num_batched_tokens=STEP_BUDGET
+    )
+    assert uncached.prefix_cache_hit_tokens == 0
+    assert uncached.outputs == workload.eager.outputs

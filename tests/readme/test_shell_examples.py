@@ -27,6 +27,10 @@ SMOKE: dict[tuple[str, ...], list[str]] = {
         *("--repeats", "1", "--threads", "1", "--max-num-batched-tokens", "32"),
         *("--in-flight-output", "16"),
     ],
+    ("dsv4", "bench", "--prefix-cache-ttft"): [
+        *("--shared-prefix-len", "64", "--suffix-len", "8", "--repeats", "1", "--threads", "1"),
+        *("--max-num-batched-tokens", "64"),
+    ],
     ("dsv4", "bench"): [
         *("--repeats", "1", "--rounds", "1", "--batch-sizes", "1", "--threads", "1"),
         *("--generate-prompts", "1", "--max-new-tokens", "2", "--max-model-len", "512"),

@@ -184,6 +184,7 @@ def test_the_runner_owns_its_caches_region_and_limits() -> None:
         num_entry_blocks=48,
         entry_rate=4,  # the CSA layer's rate
         lookback=16,  # the HCA layer's pooling span (rate 16); CSA spans 8, the window 8
+        prefix_boundary=16,  # lcm(4-token blocks x entry rate 4, rates 4 and 16)
     )
 
 

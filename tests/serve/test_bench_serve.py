@@ -17,7 +17,7 @@ import pytest
 from runners.cli.main import main
 from runners.measure.serving_load import make_prompts
 from tests.serve.conftest import KEY
-from tests.serve.support import ServerProcess
+from tests.serve.support import ServerProcess, metric
 
 
 def bench(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, Any]]:
@@ -47,6 +47,26 @@ def test_against_dsv4_serve_every_request_completes_with_the_reported_tokens(
         values = report[latency]
         assert 0 < values["p50"] <= values["p90"] <= values["p99"]
     assert report["output_throughput"] == pytest.approx(6 * 12 / report["duration_s"], rel=0.01)
+
+
+def test_a_shared_prefix_is_found_in_dsv4_serves_prefix_cache(
+    server: ServerProcess, model_name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Prompts of 160 shared characters (74 tokens of the toy tokenizer in common) and 10 of
+    their own: every request but the first (and the second, when it is admitted in the same
+    step) finds 64 tokens cached."""
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}) as http:
+        hits = metric(http, "dsv4:prefix_cache_hits_total")
+        code, report = bench(
+            capsys,
+            *("--base-url", server.url, "--model", model_name, "--api-key", KEY),
+            *("--num-prompts", "6", "--concurrency", "2", "--input-len", "10"),
+            *("--shared-prefix-len", "160", "--output-len", "4"),
+        )
+        assert code == 0 and (report["completed"], report["shared_prefix_len"]) == (6, 160)
+        assert metric(http, "dsv4:prefix_cache_hits_total") - hits in (4 * 64, 5 * 64)
+    prompts = make_prompts(6, 10, seed=0, shared_prefix_len=160)
+    assert {p[:160] for p in prompts} == {prompts[0][:160]} and len(set(prompts)) == 6
 
 
 class _Scripted(BaseHTTPRequestHandler):

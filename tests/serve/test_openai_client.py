@@ -1,7 +1,8 @@
 """The real ``openai`` client, sync and async, works unchanged against ``dsv4 serve``: plain and
 streamed, completions and chat. Served greedy text equals ``dsv4 run``'s for the same prompt,
 also when 17 streams run at once; seeded sampling gives the same tokens alone and under load;
-the request parameters (n, echo, stop strings and ids, min_tokens, logprobs) do what they say.
+the request parameters (n, echo, stop strings and ids, min_tokens, logprobs) do what they say; a
+shared prompt prefix is found in the prefix cache, as the metrics count, and changes no token.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from dsv4.tokenizer import CheckpointTokenizer
-from tests.serve.conftest import KEY, MAX_NEW_TOKENS, PROMPTS
-from tests.serve.support import ServerProcess, metric
+from tests.serve.conftest import KEY, MAX_NEW_TOKENS, MODEL_ARGS, PROMPTS
+from tests.serve.support import ServerProcess, metric, offline_outputs
 
 GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": MAX_NEW_TOKENS}
 SEEDED: dict[str, Any] = {"temperature": 0.9, "top_p": 0.95, "seed": 1234, "max_tokens": 20}
@@ -249,3 +250,27 @@ def test_models_and_detokenize(server: ServerProcess, model_name: str, client: O
         text = http.post("/detokenize", json={"model": model_name, "tokens": tokens["tokens"]})
         assert text.json() == {"prompt": "héllo"}
         assert isinstance(http, httpx.Client)
+
+
+def test_a_shared_prefix_is_found_in_the_cache_and_changes_no_token(
+    client: OpenAI, server: ServerProcess, model_name: str, checkpoint: Path
+) -> None:
+    """Two prompts share 71 tokens: the second finds the first 64 (the tiny model's boundary:
+    blocks of 16, HCA windows of 16, entry blocks of 64 tokens) and gives the text of a run
+    without the cache; ``/metrics`` counts tokens looked up and found, as vLLM does."""
+    prefix = "You are a careful assistant. Answer in one short sentence and never explain "
+    prompts = [f"{prefix}yourself. Question: what is red?", f"{prefix}yourself. Question: blue?"]
+    tokenizer = CheckpointTokenizer.from_directory(checkpoint)
+    assert tokenizer is not None
+    lengths = [len(tokenizer.encode(p)) for p in prompts]
+    args = ["--checkpoint", str(checkpoint), "--max-new-tokens", "8", *MODEL_ARGS]
+    want = offline_outputs([*args, "--no-enable-prefix-caching"], prompts)
+    http = server.client(KEY)
+    queries, hits = (metric(http, f"dsv4:prefix_cache_{n}_total") for n in ("queries", "hits"))
+    for prompt, expected in zip(prompts, want, strict=True):
+        got = client.completions.create(
+            model=model_name, prompt=prompt, **{**GREEDY, "max_tokens": 8}
+        )
+        assert got.choices[0].text == expected["text"]
+    assert metric(http, "dsv4:prefix_cache_queries_total") - queries == sum(lengths)
+    assert metric(http, "dsv4:prefix_cache_hits_total") - hits == 64
