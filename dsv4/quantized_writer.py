@@ -99,7 +99,7 @@ def quantize_fp8(
     for ``scale_fmt='ue8m0'``, stored as ``float8_e8m0fnu``; else float32); an all-zero block
     gets scale 1. ``q = clamp(weight / scale)`` rounded to nearest ``float8_e4m3fn``.
     """
-    w = weight.detach().to(torch.float32)
+    w = weight.detach().to(torch.float32).contiguous()  # expert stacks are columns first
     *lead, rows, cols = w.shape
     grid = block_grid(rows, cols, block_size)
     b0, b1 = block_size
@@ -126,7 +126,7 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     magnitude to at most 6; each element is rounded to the nearest FP4 value (ties to the
     smaller magnitude). ``in`` must be a multiple of 32.
     """
-    w = weight.detach().to(torch.float32)
+    w = weight.detach().to(torch.float32).contiguous()  # expert stacks are columns first
     *lead, rows, cols = w.shape
     if cols % MXFP4_GROUP:
         raise QuantizationError(

@@ -48,7 +48,9 @@ class WeakStorage:
         )
 
     def __del__(self) -> None:
-        self._free(self.cdata)
+        cdata = getattr(self, "cdata", None)  # unset when an interrupt (Ctrl-C) cut __init__
+        if cdata is not None:
+            self._free(cdata)
 
 
 def tensors_of(value: Any) -> list[torch.Tensor]:
