@@ -33,13 +33,17 @@ _LIBRARY = torch.library.Library("dsv4", "FRAGMENT")
 _LIBRARY.define("sinkhorn_(Tensor(a!) bordered, Tensor ones, int iters) -> ()")
 
 
-def _sinkhorn_rounds(bordered: torch.Tensor, ones: torch.Tensor, iters: int) -> None:
+def _sinkhorn_rounds(
+    bordered: torch.Tensor, ones: torch.Tensor, iters: int, *, differentiable: bool = False
+) -> None:
+    """The rounds as kernels: the sums into one buffer (``bmm(out=)``), or, ``differentiable``,
+    each sum a fresh tensor (autograd takes no ``out=``); the same kernels and values."""
     tokens, n = bordered.shape[0], bordered.shape[-1] - 1
     comb = bordered[:, :n, :n]
     comb_t = comb.transpose(1, 2)
     columns, rows = bordered[:, :, :n], bordered.transpose(1, 2)[:, :, :n]
     ones = ones.expand(tokens, 1, n + 1)
-    sums = bordered.new_empty(tokens, 1, n)
+    sums = None if differentiable else bordered.new_empty(tokens, 1, n)
     comb.div_(torch.bmm(ones, columns, out=sums))
     for _ in range(iters - 1):
         comb_t.div_(torch.bmm(ones, rows, out=sums))
@@ -59,7 +63,12 @@ def sinkhorn_(bordered: torch.Tensor, ones: torch.Tensor, iters: int) -> None:
     One operator (``dsv4::sinkhorn_``, registered with ``torch.library.Library``, whose calls
     cost about 4 us, where ``torch.library.custom_op`` imports ``torch._dynamo`` on the first
     call, a second or more): a graph records it as one op; its ``2 * (2 * iters - 1)``
-    kernels run as they would unwrapped, into one buffer of sums."""
+    kernels run as they would unwrapped, into one buffer of sums. Where autograd records
+    (``bordered`` requires grad, grad enabled: a forward outside inference mode) the same
+    kernels run unwrapped, each sum a fresh tensor, so the rounds stay differentiable."""
+    if torch.is_grad_enabled() and bordered.requires_grad:
+        _sinkhorn_rounds(bordered, ones, iters, differentiable=True)
+        return
     _SINKHORN(bordered, ones, iters)
 
 

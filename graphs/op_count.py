@@ -31,6 +31,12 @@ _PYTHON_OPERATOR = torch._C.DispatchKey.CompositeExplicitAutograd
 """Where an operator of Python code has its implementation (``torch.library``)."""
 
 
+def _runs_python(func: torch._ops.OpOverload) -> bool:
+    """Whether ``func`` is an operator with a Python implementation where ``torch.library``
+    puts it (other operators count as one op, as ATen's do)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _PYTHON_OPERATOR)
+
+
 class OpCounter(QuietDispatchMode):
     """A dispatch mode counting the ops issued while it is active, by short name (``by_name``)
     and in all (``total``); it may be entered again and keeps counting."""
@@ -46,7 +52,7 @@ class OpCounter(QuietDispatchMode):
     def dispatch(
         self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        if func.namespace not in _ATEN:  # an operator of Python code: count the ops it runs
+        if func.namespace not in _ATEN and _runs_python(func):  # count the ops it runs
             with self:
                 return func._op_dk(_PYTHON_OPERATOR, *args, **kwargs)
         tensors = tensors_of((args, kwargs))
