@@ -87,7 +87,13 @@ def test_every_runner_region_and_mode_equals_eager(dtype: str) -> None:
     """Capture, replay and the audit in half precision: every allowed cell of the matrix equals
     its eager run within ``equality_tolerance("cpu", dtype)``; V1 with a region narrower than
     wide still fails the capture audit (the seed's bug), exactly as in float32."""
-    options = MatrixOptions(platforms=("cpu",), dtype=dtype, max_new_tokens=6, unsafe_region=True)
+    options = MatrixOptions(
+        platforms=("cpu",),
+        dtype=dtype,
+        max_new_tokens=6,
+        unsafe_region=True,
+        capture_sizes=(1, 2, 4),  # decode batches of 3 pad to 4; longer chunks run eager
+    )
     payload = run_matrix(options, lambda line: None)
     assert payload["dtype"] == dtype
     (reference,) = payload["references"]
