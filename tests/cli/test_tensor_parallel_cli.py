@@ -5,6 +5,7 @@ Ctrl-C, stops every rank within seconds and leaves no process behind."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -145,12 +146,29 @@ def test_the_documented_parallel_commands_give_the_tokens_of_one_rank(
         )
         for rank in (0, 1)
     ]
-    outs = [node.communicate(timeout=240) for node in nodes]
+    outs = _communicate_all(nodes, timeout=240)
     assert [node.returncode for node in nodes] == [0, 0], [err for _, err in outs]
     assert outs[1][0].strip() == ""  # the second node's rank is 1: it prints nothing
     assert [o["output_ids"] for o in json.loads(outs[0][0])["outputs"]] == expected
     assert main([*explain[1:], "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["tensor_parallel_size"] == 2
+
+
+def _communicate_all(
+    processes: list[subprocess.Popen[str]], *, timeout: float
+) -> list[tuple[str, str]]:
+    """Each process's (stdout, stderr), all read at once (none can block writing to a pipe
+    another's wait leaves unread); past ``timeout``, every one is killed and the test fails
+    with what each wrote."""
+    with concurrent.futures.ThreadPoolExecutor(len(processes)) as pool:
+        reads = [pool.submit(process.communicate) for process in processes]
+        done, _ = concurrent.futures.wait(reads, timeout=timeout)
+        if len(done) < len(processes):
+            for process in processes:
+                process.kill()
+            written = [read.result() for read in reads]
+            pytest.fail(f"not done after {timeout} s; each wrote (stdout, stderr): {written}")
+    return [read.result() for read in reads]
 
 
 def _children(pid: int) -> list[int]:
