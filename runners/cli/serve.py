@@ -34,15 +34,6 @@ from runners.distributed import torchrun_world
 from runners.engine import LLM
 from runners.ranked import launch_engine
 from runners.resolution import Resolution
-from runners.serve import (
-    EngineLoop,
-    Metrics,
-    ServerContext,
-    ServerSettings,
-    bind,
-    build_app,
-    serve,
-)
 from runners.spec import EngineSpec, build_engine
 from runners.text import tokenizer_of
 from runners.threads import apply_threads
@@ -161,6 +152,10 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
     checkpoint = Path(args.checkpoint) if args.checkpoint else None
     name = args.served_model_name or args.checkpoint or BUILTIN_MODEL_NAME
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    # The server's libraries (FastAPI, uvicorn, pydantic: about 0.5 s) load for this command
+    # alone, so every other command starts without them.
+    from runners.serve import bind
+
     sock = bind(args.host, args.port)
     try:
         served = _start(spec, args.threads)
@@ -180,6 +175,8 @@ def _serve(
     name: str,
     api_key: str | None,
 ) -> dict[str, Any]:
+    from runners.serve import EngineLoop, Metrics, ServerContext, ServerSettings, build_app, serve
+
     start = time.perf_counter()
     served.capture()
     capture_s = time.perf_counter() - start
