@@ -6,6 +6,7 @@ Ctrl-C, stops every rank within seconds and leaves no process behind."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import signal
@@ -143,6 +144,7 @@ def test_the_documented_parallel_commands_give_the_tokens_of_one_rank(
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            start_new_session=True,  # each node's agent and rank form one group to kill
         )
         for rank in (0, 1)
     ]
@@ -158,14 +160,16 @@ def _communicate_all(
     processes: list[subprocess.Popen[str]], *, timeout: float
 ) -> list[tuple[str, str]]:
     """Each process's (stdout, stderr), all read at once (none can block writing to a pipe
-    another's wait leaves unread); past ``timeout``, every one is killed and the test fails
-    with what each wrote."""
+    another's wait leaves unread); past ``timeout``, the process group of each (started with
+    ``start_new_session``: its children hold the pipes too) is killed and the test fails with
+    what each wrote."""
     with concurrent.futures.ThreadPoolExecutor(len(processes)) as pool:
         reads = [pool.submit(process.communicate) for process in processes]
         done, _ = concurrent.futures.wait(reads, timeout=timeout)
         if len(done) < len(processes):
             for process in processes:
-                process.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
             written = [read.result() for read in reads]
             pytest.fail(f"not done after {timeout} s; each wrote (stdout, stderr): {written}")
     return [read.result() for read in reads]
