@@ -22,6 +22,7 @@ from dsv4 import DeepseekV4Config
 from dsv4.testing import random_model
 from runners.cli.main import main
 from tests.dsv4.support import hf_twin
+from tests.processes import children
 from tests.readme.examples import command_lines, shell_block
 from tests.runners.support import resolve_on
 
@@ -175,20 +176,6 @@ def _communicate_all(
     return [read.result() for read in reads]
 
 
-def _children(pid: int) -> list[int]:
-    """Processes whose parent is ``pid`` (from /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
 def _cmdline(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -201,8 +188,8 @@ def _started(parent: subprocess.Popen[str], count: int) -> list[int]:
     server it started (``runners.distributed.rank_context``)."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        servers = [pid for pid in _children(parent.pid) if b"forkserver" in _cmdline(pid)]
-        ranks = [pid for server in servers for pid in _children(server)]
+        servers = [pid for pid in children(parent.pid) if b"forkserver" in _cmdline(pid)]
+        ranks = [pid for server in servers for pid in children(server)]
         if len(ranks) == count:
             return sorted(ranks)
         time.sleep(0.02)

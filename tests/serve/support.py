@@ -121,20 +121,6 @@ def wait_for(condition: Any, timeout: float, step: float = 0.02) -> float:
     raise AssertionError(f"condition not met within {timeout}s")
 
 
-def children(pid: int) -> list[int]:
-    """Processes whose parent is ``pid`` (from /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
 def offline_outputs(args: Sequence[str], prompts: Sequence[str]) -> list[dict[str, Any]]:
     """``dsv4 run --json``'s outputs for text ``prompts`` (one run, all prompts batched)."""
     argv = [*DSV4, "run", *args, "--json"]

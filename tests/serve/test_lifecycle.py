@@ -19,7 +19,8 @@ import httpx
 import pytest
 
 from runners.cli.main import main
-from tests.serve.support import DSV4, ServerProcess, children, wait_for
+from tests.processes import children
+from tests.serve.support import DSV4, ServerProcess, wait_for
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
 
