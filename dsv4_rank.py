@@ -15,7 +15,7 @@ torch and the library.
   group, so ranks started by ``multiprocessing`` would each print a ``KeyboardInterrupt``
   traceback (while importing torch, say). Started inside this block, they inherit SIGINT
   blocked; the parent alone takes the Ctrl-C and stops them, and one that arrives while the
-  block is open is delivered to the parent when it ends.
+  block is open is raised in the parent when it ends, once it knows every rank it started.
 """
 
 from __future__ import annotations
@@ -75,12 +75,26 @@ def run_rank(work: bytes, *passed: Any) -> None:
 
 @contextlib.contextmanager
 def children_ignore_ctrl_c() -> Iterator[None]:
-    """Processes started inside the block have SIGINT blocked (see the module docstring)."""
+    """Processes started inside the block have SIGINT blocked (see the module docstring). A
+    SIGINT this process receives meanwhile is raised as the block ends, never inside it (in the
+    main thread; the mask is the calling thread's, and the kernel may hand a process's signal to
+    any thread that does not block it), so the caller knows every process it started."""
     if not hasattr(signal, "pthread_sigmask"):  # no signal masks here: nothing to inherit
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    deferred: list[int] = []
+    previous_handler = (
+        signal.signal(signal.SIGINT, lambda signum, _frame: deferred.append(signum))
+        if in_main_thread
+        else None
+    )
+    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
+        if in_main_thread:
+            signal.signal(signal.SIGINT, previous_handler)
+            if deferred:
+                signal.raise_signal(signal.SIGINT)

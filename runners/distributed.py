@@ -228,13 +228,17 @@ def run_local(
         )
         for world in local_worlds(size)
     ]
-    with children_ignore_ctrl_c():  # a terminal's Ctrl-C is this process's alone to handle
-        for worker in workers:
-            worker.start()
+    started: list[Any] = []
     try:
+        # A terminal's Ctrl-C is this process's alone to handle; one that arrives while the
+        # ranks start is raised as the block ends, so the ranks already started are stopped.
+        with children_ignore_ctrl_c():
+            for worker in workers:
+                worker.start()
+                started.append(worker)
         return _supervise(workers, results)
     finally:
-        _stop(workers)
+        _stop(started)
 
 
 def rank_context() -> Any:

@@ -5,10 +5,12 @@ and no worker process outlives the call."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing
 import os
 import signal
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -57,3 +59,35 @@ def test_a_failing_rank_stops_every_rank_with_one_line(how: str, message: str) -
     if how == "die":
         assert str(failed.value) == "rank 1 died (killed by signal 9)"
     assert _no_workers_left()
+
+
+def _sleeps(args: argparse.Namespace) -> dict[str, Any]:
+    time.sleep(120)
+    return {}
+
+
+def test_a_ctrl_c_while_the_ranks_start_stops_the_ranks_already_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Ctrl-C that arrives while the ranks start is held until the last one has started, then
+    raised in the parent: every rank is stopped before it propagates (left running, they would
+    hold the parent at exit, which joins its children)."""
+    import runners.distributed as distributed
+
+    held_back = distributed.children_ignore_ctrl_c
+
+    @contextlib.contextmanager
+    def ctrl_c_arrives_inside() -> Iterator[None]:
+        with held_back():
+            os.kill(os.getpid(), signal.SIGINT)  # pending: blocked until the block ends
+            yield
+
+    monkeypatch.setattr(distributed, "children_ignore_ctrl_c", ctrl_c_arrives_inside)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            run_local(_sleeps, argparse.Namespace(), 2, "gloo")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert _no_workers_left() and time.monotonic() - start < 30
