@@ -16,6 +16,8 @@ torch and the library.
   traceback (while importing torch, say). Started inside this block, they inherit SIGINT
   blocked; the parent alone takes the Ctrl-C and stops them, and one that arrives while the
   block is open is raised in the parent when it ends, once it knows every rank it started.
+- ``ctrl_c_held``: a Ctrl-C held back to the end of a block that must not stop halfway (a
+  rank's start, a reply a driver reads).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ __all__ = [
     "EXIT_PARENT_GONE",
     "PARENT_POLL_S",
     "children_ignore_ctrl_c",
+    "ctrl_c_held",
     "exit_with_parent",
     "run_rank",
 ]
@@ -74,27 +77,42 @@ def run_rank(work: bytes, *passed: Any) -> None:
 
 
 @contextlib.contextmanager
-def children_ignore_ctrl_c() -> Iterator[None]:
-    """Processes started inside the block have SIGINT blocked (see the module docstring). A
-    SIGINT this process receives meanwhile is raised as the block ends, never inside it (in the
-    main thread; the mask is the calling thread's, and the kernel may hand a process's signal to
-    any thread that does not block it), so the caller knows every process it started."""
-    if not hasattr(signal, "pthread_sigmask"):  # no signal masks here: nothing to inherit
+def ctrl_c_held() -> Iterator[None]:
+    """Hold a Ctrl-C (SIGINT) back until the block ends, then act on it as before (raise
+    ``KeyboardInterrupt``, for Python's default handler). A handler of the main thread's own,
+    not a signal mask: the kernel would hand a masked signal to another thread, and Python
+    would still run its handler in the main thread at once. Other threads never run signal
+    handlers, so they need nothing held."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is None  # a handler Python did not set: leave it
+    ):
         yield
         return
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    deferred: list[int] = []
-    previous_handler = (
-        signal.signal(signal.SIGINT, lambda signum, _frame: deferred.append(signum))
-        if in_main_thread
-        else None
-    )
-    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
-        if in_main_thread:
-            signal.signal(signal.SIGINT, previous_handler)
-            if deferred:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            if callable(previous):
+                previous(signal.SIGINT, None)
+            elif previous == signal.SIG_DFL:
                 signal.raise_signal(signal.SIGINT)
+
+
+@contextlib.contextmanager
+def children_ignore_ctrl_c() -> Iterator[None]:
+    """Processes started inside the block have SIGINT blocked (see the module docstring); a
+    Ctrl-C this process receives meanwhile is held to the block's end (``ctrl_c_held``), so the
+    caller knows every process it started when it acts on it."""
+    with ctrl_c_held():
+        if not hasattr(signal, "pthread_sigmask"):  # no signal masks here: nothing to inherit
+            yield
+            return
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import signal
 import socket
 import subprocess
 import sys
@@ -41,7 +40,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 from types import TracebackType
 from typing import Any
@@ -49,6 +48,7 @@ from typing import Any
 import attrs
 import torch
 
+from dsv4_rank import ctrl_c_held
 from runners.base import ModelRunner
 from runners.batch import GraphKey
 from runners.capacity import CapacityPlan
@@ -191,7 +191,7 @@ class RankedExecutor:
             while self._pending:  # the reply an interrupted call left behind
                 self._reply()
             message = pickle.dumps(command)
-            with _uninterrupted():
+            with ctrl_c_held():
                 for conn in self._conns[:ranks]:
                     with contextlib.suppress(OSError):  # a rank that is gone: _reply names why
                         conn.send_bytes(message)
@@ -224,7 +224,7 @@ class RankedExecutor:
         for rank, conn in enumerate(self._conns):
             if conn not in ready:
                 continue
-            with _uninterrupted():  # a reply read is a reply counted
+            with ctrl_c_held():  # a reply read is a reply counted
                 try:
                     ok, value = pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):
@@ -300,32 +300,6 @@ def launch_engine(spec: EngineSpec) -> RankedEngine:
         ranks.close()
         raise
     return RankedEngine(resolution=resolution, llm=llm, ranks=ranks, capacity=ranks.capacity)
-
-
-@contextlib.contextmanager
-def _uninterrupted() -> Iterator[None]:
-    """Hold a Ctrl-C (SIGINT) back until the block ends, then act on it as before (raise
-    ``KeyboardInterrupt``, for Python's default handler). A handler of the main thread's own,
-    not a signal mask: the kernel would hand a masked signal to another thread, and Python
-    would still run its handler in the main thread at once. Other threads never run signal
-    handlers, so they need nothing held."""
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGINT) is None  # a handler Python did not set: leave it
-    ):
-        yield
-        return
-    held: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if held:
-            if callable(previous):
-                previous(signal.SIGINT, None)
-            elif previous == signal.SIG_DFL:
-                signal.raise_signal(signal.SIGINT)
 
 
 _RANK_MAIN = (

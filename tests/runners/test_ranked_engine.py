@@ -21,6 +21,7 @@ import attrs
 import pytest
 import torch
 
+import dsv4_rank
 import runners.ranked
 from dsv4 import DeepseekV4Config
 from dsv4.checkpoint import save_random_checkpoint
@@ -217,7 +218,7 @@ def test_a_ctrl_c_during_a_send_is_held_until_the_send_ends() -> None:
     """What keeps the ranks in step: a SIGINT between the sends of one command (some ranks
     would run a step the others never see) is raised only after the last send."""
     reached_the_end = False
-    with pytest.raises(KeyboardInterrupt), runners.ranked._uninterrupted():
+    with pytest.raises(KeyboardInterrupt), dsv4_rank.ctrl_c_held():
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.05)  # the interpreter runs signal handlers here
         reached_the_end = True
