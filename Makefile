@@ -15,8 +15,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q --upgrade pip
 
 $(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q torch==2.13.0 -e '.[test]'
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -29,10 +28,16 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-# Two workers (pytest-xdist; tests sharing a module fixture stay together), the 15 slowest shown.
-test: $(STAMP) lint typecheck
+# Lint, then the tests on two workers (pytest-xdist; tests sharing a module fixture stay
+# together, the 15 slowest shown) while mypy runs beside them: it is single-threaded and takes
+# about 40 s, which the workers would otherwise wait out. Its report follows the tests'; the
+# target fails if either fails.
+test: $(STAMP) lint
+	@types=$$(mktemp); $(BIN)/mypy >"$$types" 2>&1 & mypy=$$!; \
 	HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) \
-		--dist loadgroup --durations=15 $(PYTEST_ARGS)
+		--dist loadgroup --durations=15 $(PYTEST_ARGS); tests=$$?; \
+	wait $$mypy; typed=$$?; echo "mypy:"; cat "$$types"; rm -f "$$types"; \
+	[ $$tests -eq 0 ] && [ $$typed -eq 0 ]
 
 bench: $(STAMP)
 	$(BIN)/dsv4 bench
