@@ -35,7 +35,10 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip every ``@pytest.mark.cuda`` test, with a reason, where no CUDA device exists; keep
-    the tests of a module that share a module-scoped fixture on one xdist worker."""
+    the tests of a module that share a module-scoped fixture on one xdist worker; hand out the
+    ``@pytest.mark.slow`` tests (with their groups) first, so the workers end on short tests
+    together instead of one waiting out another's long one."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
     for item in items:
         if _shares_a_module_fixture(item) and item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))

@@ -124,6 +124,7 @@ def _torchrun(argv: list[str], **names: str) -> list[str]:
     return [*TORCHRUN, *filled]
 
 
+@pytest.mark.slow
 def test_the_documented_parallel_commands_give_the_tokens_of_one_rank(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -344,6 +344,7 @@ def test_two_ranks_compute_the_logits_of_one(
     _assert_equal_to_one_rank(two_ranks, two_rank_models)
 
 
+@pytest.mark.slow
 def test_four_ranks_compute_the_logits_of_one() -> None:
     models = [attrs.evolve(DeepseekV4Config.tiny(), o_groups=4), *_drawn_configs(4, 1)]
     _assert_equal_to_one_rank(run_ranks(_sharded_logits, 4, models, timeout=TIMEOUT), models)
