@@ -1,5 +1,5 @@
 # `make run` and `make test` each create .venv if absent, install torch==2.13.0 (a CPU build is
-# on local disk) and then the project, and run.
+# on local disk) and then the project (building its native CPU kernels), and run.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -14,7 +14,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-$(STAMP): $(BIN)/python pyproject.toml
+$(STAMP): $(BIN)/python pyproject.toml dsv4/_kernels.c
 	$(BIN)/python -m pip install -q torch==2.13.0 -e '.[test]'
 	touch $(STAMP)
 

@@ -9,13 +9,14 @@ computes the mixing weights runs in fp32 with fp32 parameters, as in the referen
 Op economy (a step costs per op, eagerly and on the CPU tape): the three scale/bias pairs are
 applied to all ``(2 + n) * n`` mixing logits at once, which one ``split`` then cuts into the
 three parts; the Sinkhorn rounds are one operator (``sinkhorn_``, so a capture records one op
-for them) whose every half-step is two kernels, a batched product and an in-place division
-(``x /= ones @ bordered``): ``comb`` lives in the top-left block of ``bordered [T, n+1, n+1]``
-(one ``full`` of ``eps`` plus the softmax added in place), whose last row and column hold
-``eps``, so one product over ``n + 1`` entries gives the column (or, through the transpose, row)
-sums with ``eps`` added last, as the reference adds it. Products and sums keep
-the reference's rounding steps (no fused multiply-adds), so bf16 models still round where the
-reference rounds.
+for them), on the CPU one native kernel (``dsv4/_kernels.c``, bit-equal to the composite),
+elsewhere a composite whose every half-step is two kernels, a batched product and an in-place
+division (``x /= ones @ bordered``): ``comb`` lives in the top-left block of
+``bordered [T, n+1, n+1]`` (one ``full`` of ``eps`` plus the softmax added in place), whose
+last row and column hold ``eps``, so one product over ``n + 1`` entries gives the column (or,
+through the transpose, row) sums with ``eps`` added last, as the reference adds it. Products
+and sums keep the reference's rounding steps (no fused multiply-adds), so bf16 models still
+round where the reference rounds.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.layers import as_dtype
+from dsv4.native import KERNELS
 
 __all__ = ["HyperConnection", "HyperHead", "mix", "sinkhorn_"]
 
@@ -50,7 +52,19 @@ def _sinkhorn_rounds(
         comb.div_(torch.bmm(ones, columns, out=sums))
 
 
+def _sinkhorn_cpu(bordered: torch.Tensor, ones: torch.Tensor, iters: int) -> None:
+    """The CPU kernel: one native call (``dsv4.native``) for a contiguous float32 ``bordered``
+    (every model's, as the mixing weights are fp32), bit-equal to the rounds as kernels, which
+    run for anything else or where the native kernels were not built."""
+    if KERNELS is not None and bordered.dtype == torch.float32 and bordered.is_contiguous():
+        n = bordered.shape[-1] - 1
+        KERNELS.dsv4_sinkhorn_f32(bordered.data_ptr(), bordered.shape[0], n, iters)
+        return
+    _sinkhorn_rounds(bordered, ones, iters)
+
+
 _LIBRARY.impl("sinkhorn_", _sinkhorn_rounds, "CompositeExplicitAutograd")
+_LIBRARY.impl("sinkhorn_", _sinkhorn_cpu, "CPU")
 _SINKHORN = torch.ops.dsv4.sinkhorn_.default
 
 
@@ -62,8 +76,9 @@ def sinkhorn_(bordered: torch.Tensor, ones: torch.Tensor, iters: int) -> None:
 
     One operator (``dsv4::sinkhorn_``, registered with ``torch.library.Library``, whose calls
     cost about 4 us, where ``torch.library.custom_op`` imports ``torch._dynamo`` on the first
-    call, a second or more): a graph records it as one op; its ``2 * (2 * iters - 1)``
-    kernels run as they would unwrapped, into one buffer of sums. Where autograd records
+    call, a second or more): a graph records it as one op. On the CPU it is one native call
+    (``_sinkhorn_cpu``); elsewhere its ``2 * (2 * iters - 1)`` kernels run as they would
+    unwrapped, into one buffer of sums. Where autograd records
     (``bordered`` requires grad, grad enabled: a forward outside inference mode) the same
     kernels run unwrapped, each sum a fresh tensor, so the rounds stay differentiable."""
     if torch.is_grad_enabled() and bordered.requires_grad:
