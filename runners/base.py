@@ -69,6 +69,7 @@ from runners.batch import (
     CaptureSizes,
     ContextBuckets,
     GraphKey,
+    StepReach,
     blocks_needed,
 )
 from runners.captured import CapturedGraph, capture_step, static_memory
@@ -226,10 +227,14 @@ class ModelRunner(abc.ABC):
                 logits = graph.logits
             return logits.index_select(0, ends)
 
-    def capture(self, on_captured: CaptureCallback | None = None) -> None:
+    def capture(
+        self, on_captured: CaptureCallback | None = None, *, reach: StepReach | None = None
+    ) -> None:
         """Capture every (mode, size) this runner can dispatch to, for the smallest
         ``max_graph_contexts`` context buckets not yet refused by the cap; largest bucket first,
-        and within one, largest size first.
+        and within one, largest size first. With ``reach`` (the requests are known), only the
+        graphs their steps can replay: the sizes their batches pad to, the buckets up to the
+        one their furthest position needs. A step beyond it would still capture lazily.
 
         ``on_captured(key, seconds)`` is called after each graph this call captures (progress
         output and per-size capture timing); graphs captured earlier are skipped.
@@ -242,14 +247,17 @@ class ModelRunner(abc.ABC):
         for width in self.context_buckets.widths:
             if len(widths) < self.max_graph_contexts and width not in widths:
                 widths.append(width)
+        if reach is not None:
+            need = min(-(-reach.positions // self.layout.block_size), self.context_buckets.largest)
+            widths = [w for w in widths if w <= self.context_buckets.bucket(need)]
         for width in sorted(widths, reverse=True):
             for size in self.capture_sizes.largest_first():
                 for mode in dict.fromkeys(modes):
                     key = GraphKey(mode, size, width)
-                    if key in self._graphs or size not in self._sizes(mode):
+                    if key in self._graphs or size not in self._sizes(mode, reach):
                         continue
                     start = time.perf_counter()
-                    self._graph(key)
+                    self._graph(key, reach)
                     if on_captured is not None:
                         on_captured(key, time.perf_counter() - start)
 
@@ -301,31 +309,36 @@ class ModelRunner(abc.ABC):
     def _held_widths(self) -> set[int]:
         return {key.width for key in self._graphs}
 
-    def _graph(self, key: GraphKey) -> CapturedGraph | None:
+    def _graph(self, key: GraphKey, reach: StepReach | None = None) -> CapturedGraph | None:
         """The graph for ``key``; captured now if missing, after every missing larger size of
-        its mode and bucket (largest first, so smaller graphs reuse their pool memory). ``None``
-        when ``key``'s bucket holds no graphs and ``max_graph_contexts`` buckets already do."""
+        its mode and bucket (within ``reach``, if given; largest first, so smaller graphs reuse
+        their pool memory). ``None`` when ``key``'s bucket holds no graphs and
+        ``max_graph_contexts`` buckets already do."""
         if key not in self._graphs:
             held = self._held_widths()
             if key.width not in held and len(held) >= self.max_graph_contexts:
                 return None
             with collector_paused():  # recording makes objects by the ten thousand
-                for larger in reversed(self._sizes(key.mode)):
+                for larger in reversed(self._sizes(key.mode, reach)):
                     bigger = key._replace(num_tokens=larger)
                     if larger >= key.num_tokens and bigger not in self._graphs:
                         self._graphs[bigger] = self._capture(bigger)
         return self._graphs[key]
 
-    def _sizes(self, mode: CUDAGraphMode) -> tuple[int, ...]:
+    def _sizes(self, mode: CUDAGraphMode, reach: StepReach | None = None) -> tuple[int, ...]:
         """The sizes graphs of ``mode`` are captured for, those a batch it serves can pad to:
         FULL serves uniform-decode batches, at most one token per block-table row; a mode that
         serves mixed batches only (the decode mode differs) never sees one token (a mixed batch
-        has a chunk of two or more), so it skips size 1."""
-        if mode is CUDAGraphMode.FULL:
-            return self.capture_sizes.serving(self.layout.max_rows)
+        has a chunk of two or more), so it skips size 1. ``reach`` bounds both further: a
+        decode batch by its ``decode_batch``, any step by its ``step_tokens``."""
+        decode_only = mode is not self.mixed_mode
+        limit = self.layout.max_rows if mode is CUDAGraphMode.FULL else self.max_num_tokens
+        if reach is not None:
+            limit = min(limit, reach.decode_batch if decode_only else reach.step_tokens)
+        sizes = self.capture_sizes.serving(limit)
         if mode is not self.decode_mode:
-            return tuple(size for size in self.capture_sizes.sizes if size > 1)
-        return self.capture_sizes.sizes
+            return tuple(size for size in sizes if size > 1)
+        return sizes
 
     def _capture(self, key: GraphKey) -> CapturedGraph:
         graphs = getattr(self._backend.pool, "graphs", None)

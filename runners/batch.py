@@ -19,7 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple, Protocol
 
 import attrs
@@ -33,6 +33,7 @@ __all__ = [
     "CaptureSizes",
     "ContextBuckets",
     "GraphKey",
+    "StepReach",
     "blocks_needed",
 ]
 
@@ -93,6 +94,30 @@ class CaptureSizes:
         at most one token per request in flight, so a FULL size above that never replays)."""
         padded = self.padded(num_tokens)
         return self.sizes if padded is None else self.sizes[: self.sizes.index(padded) + 1]
+
+
+@attrs.frozen
+class StepReach:
+    """How far the steps of a known set of requests can go (``dsv4 run`` knows its prompts and
+    ``--max-new-tokens`` before the first step), so a runner captures ahead of time only the
+    graphs those steps can replay (``ModelRunner.capture``).
+
+    Invariant: every step the engine schedules for these requests, a preempted request's
+    recomputation included, is a uniform decode of at most ``decode_batch`` tokens or a step of
+    at most ``step_tokens`` tokens, and reaches no position at or beyond ``positions``."""
+
+    decode_batch: int
+    step_tokens: int
+    positions: int
+
+    @classmethod
+    def of_requests(cls, prompt_lengths: Sequence[int], max_new_tokens: int) -> StepReach:
+        """A request's furthest step ends at its prompt plus every new token but the last (the
+        last is sampled, never fed back); one step computes at most that much of it (a preempted
+        request recomputes what it had generated) or, decoding, one token. (The runner's own
+        limits, its rows and token budget, bound the steps further.)"""
+        lengths = [length + max_new_tokens - 1 for length in prompt_lengths]
+        return cls(decode_batch=len(lengths), step_tokens=sum(lengths), positions=max(lengths))
 
 
 class _Span(Protocol):

@@ -26,6 +26,7 @@ import torch
 
 from dsv4.dtypes import dtype_name
 from dsv4.tokenizer import CheckpointTokenizer
+from runners.batch import StepReach
 from runners.cli.errors import UsageError
 from runners.cli.options import (
     add_model_options,
@@ -144,7 +145,8 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
         lambda key, seconds: progress.update(
             f"captured {key.mode.name} graph for {key.num_tokens} tokens, context "
             f"{key.width * engine.runner.layout.block_size}, in {seconds:.2f}s"
-        )
+        ),
+        reach=StepReach.of_requests([len(p) for p in prompts], params.max_tokens),
     )
     capture_s = time.perf_counter() - start
     progress.done(f"captured {len(engine.runner.captured)} graphs in {capture_s:.2f}s")

@@ -16,6 +16,11 @@ RUN = ["run", "--prompt-ids", "1,2,3", "--max-new-tokens", "3", "--platform", "c
 FAST = ["--capture-sizes", "1,2", "--threads", "1"]
 
 
+def _run_output(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    assert main([*argv, "--json"]) == 0
+    return capsys.readouterr().out
+
+
 def _block_bytes(block_size: int) -> tuple[int, int]:
     config = DeepseekV4Config.tiny()
     sizes = [cache_bytes(config, torch.float32, block_size)[t] for t in config.layer_types]
@@ -26,8 +31,11 @@ def _block_bytes(block_size: int) -> tuple[int, int]:
 
 
 def test_run_json_reports_the_layout_the_flags_derive(capsys: pytest.CaptureFixture[str]) -> None:
+    prompt = ",".join(str(i % 200) for i in range(70))
     argv = [
-        *RUN,
+        *RUN[:2],
+        prompt,
+        *RUN[3:],
         *FAST,
         "--max-model-len",
         "96",
@@ -60,14 +68,18 @@ def test_run_json_reports_the_layout_the_flags_derive(capsys: pytest.CaptureFixt
         "entry_block_bytes": entry,
         "note": None,
     }
-    # buckets of 32, 64 and 96 tokens (4, 8 and 12 blocks), every one captured ahead of time
+    # buckets of 32, 64 and 96 tokens (4, 8 and 12 blocks); the run reaches 72 positions, so
+    # all three are captured ahead of time
     assert payload["graphs"]["captured_contexts"] == [32, 64, 96]
+    short = json.loads(_run_output(capsys, [*RUN, *FAST, "--first-context-bucket", "32"]))
+    assert short["graphs"]["captured_contexts"] == [32]  # 5 positions: the first bucket only
 
 
 def test_no_full_graph_is_captured_above_max_num_seqs(capsys: pytest.CaptureFixture[str]) -> None:
     """FULL graphs serve uniform-decode batches, at most --max-num-seqs tokens (padded): a FULL
-    size above the one 4 tokens pad to could never replay. PIECEWISE keeps every size."""
-    argv = ["run", "--prompt-ids", "1,2,3", "--max-new-tokens", "1", "--platform", "cpu"]
+    size above the one 4 tokens pad to could never replay. PIECEWISE keeps every size (the five
+    prompts' steps may carry up to 15 tokens)."""
+    argv = ["run", *["--prompt-ids", "1,2,3"] * 5, "--max-new-tokens", "1", "--platform", "cpu"]
     options = ["--max-num-seqs", "4", "--capture-sizes", "2,4,8", "--max-graph-contexts", "1"]
     assert main([*argv, *options, "--threads", "1", "--json"]) == 0
     captured = json.loads(capsys.readouterr().out)["graphs"]["captured"]

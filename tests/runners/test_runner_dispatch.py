@@ -20,9 +20,16 @@ from runners import (
     ModelRunnerV2,
     RunnerInputError,
 )
-from runners.batch import GraphKey
+from runners.batch import GraphKey, StepReach
 from runners.engine import EngineLimits, ScheduledChunk
-from tests.runners.support import LAYOUT, captured_sizes, fresh_model, resolve_on, tiny_runner
+from tests.runners.support import (
+    LAYOUT,
+    captured_sizes,
+    fresh_model,
+    greedy,
+    resolve_on,
+    tiny_runner,
+)
 
 FULL, PIECEWISE, NONE = CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE
 
@@ -124,6 +131,24 @@ def test_dispatch_pads_captures_on_demand_and_runs_eagerly_above_the_largest_siz
     assert runner.metadata_buffers.slot_mapping[:2].ge(0).all()  # type: ignore[attr-defined]
     run(runner, STEPS[:1])
     assert runner.metadata_buffers.slot_mapping[3].item() == -1  # type: ignore[attr-defined]
+
+
+def test_capture_within_the_reach_of_known_requests_takes_only_what_they_replay() -> None:
+    """Prompts of 13 and 6 tokens, 2 new tokens each: steps reach 14 positions (the 16-token
+    bucket; blocks of 4), decode 2 requests at most (FULL 1 and 2), carry at most 21 tokens
+    (every PIECEWISE size). Generating them then captures nothing more."""
+    runner = tiny_runner(resolve_on(runner="v2", mode="FULL_AND_PIECEWISE"))
+    batch = [list(range(40, 53)), [7, 7, 7, 9, 9, 9]]
+    runner.capture(reach=StepReach.of_requests([len(p) for p in batch], 2))
+    per_width = [(PIECEWISE, 4), (FULL, 2), (PIECEWISE, 2), (FULL, 1)]
+    assert [(k.mode, k.num_tokens, k.width) for k in runner.captured] == [
+        *((mode, size, 4) for mode, size in per_width),
+        *((mode, size, 2) for mode, size in per_width),
+    ]
+    captured = runner.captured
+    eager = tiny_runner(resolve_on(runner="v2", mode="NONE"))
+    assert greedy(runner, batch, 2).tokens == greedy(eager, batch, 2).tokens
+    assert runner.captured == captured
 
 
 def test_full_graphs_serve_only_uniform_decode_batches() -> None:
