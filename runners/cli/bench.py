@@ -225,7 +225,8 @@ def render(payload: dict[str, Any]) -> str:
     cap = payload["capture"]
     ratio = cap["held/eager_step_peak"]
     lines.append(
-        f"capture: {len(cap['seconds_per_graph'])} graphs in {cap['total_s']:.2f}s, "
+        f"capture: {len(cap['seconds_per_graph'])} graphs (every size and bucket, as dsv4 serve "
+        f"captures) in {cap['total_s']:.2f}s, "
         f"{_mib(cap['held_bytes'])} held by captures "
         f"({'n/a' if ratio is None else f'{ratio}x'} the {_mib(cap['eager_step_peak_bytes'])}"
         " peak of an eager step of the largest size and context)"
@@ -233,6 +234,11 @@ def render(payload: dict[str, Any]) -> str:
     gen = payload["generation"]
     tps = ", ".join(f"{k} {v:.1f}" for k, v in gen["tokens_per_s"].items())
     lines.append(f"generation tokens/s: {tps}")
+    run = gen["run_capture"]
+    lines.append(
+        f"  dsv4 run of these {gen['prompts']} prompts captures {run['graphs']} graphs "
+        f"(what their steps can reach) in {run['total_s']:.2f}s"
+    )
     if "ratio_engine/transformers" in gen:
         devices = gen["devices"]
         lines.append(

@@ -39,6 +39,7 @@ from graphs._ops import QuietDispatchMode
 from graphs._tensor_refs import WeakStorage, storage_key
 from graphs.allocations import new_allocations
 from runners.base import ModelRunner
+from runners.batch import GraphKey, StepReach
 from runners.engine import SamplingParams, ScheduledChunk
 from runners.spec import EngineSpec, build_engine
 
@@ -226,14 +227,16 @@ def decode_runners(
     }
 
 
-def capture_cost(runner: ModelRunner) -> CaptureCost:
-    """Capture every size of ``runner`` (not yet captured), timing each graph; then the bytes
-    its captures hold (``captures_held_bytes``)."""
+def capture_cost(runner: ModelRunner, reach: StepReach | None = None) -> CaptureCost:
+    """Capture every size of ``runner`` (not yet captured; with ``reach``, those its steps can
+    replay, as ``dsv4 run`` does), timing each graph; then the bytes its captures hold
+    (``captures_held_bytes``)."""
     timings: list[tuple[str, int, float]] = []
-    _, seconds = timed(
-        lambda: runner.capture(lambda key, s: timings.append((key.mode.name, key.num_tokens, s))),
-        runner.device,
-    )
+
+    def on_captured(key: GraphKey, seconds: float) -> None:
+        timings.append((key.mode.name, key.num_tokens, seconds))
+
+    _, seconds = timed(lambda: runner.capture(on_captured, reach=reach), runner.device)
     return CaptureCost(
         seconds_per_graph=tuple(timings),
         total_seconds=seconds,
@@ -318,10 +321,12 @@ def engine_throughput(
     model: DeepseekV4ForCausalLM,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
-) -> tuple[Callable[[], GenerationThroughput], list[list[int]]]:
-    """A timed greedy-generation round of the engine (graphs captured first), and its tokens."""
+) -> tuple[Callable[[], GenerationThroughput], list[list[int]], CaptureCost]:
+    """A timed greedy-generation round of the engine, its tokens, and the capture made first:
+    the graphs ``dsv4 run`` captures for these prompts (``StepReach``)."""
     engine = build_engine(spec, model=model)
-    engine.runner.capture()
+    reach = StepReach.of_requests([len(p) for p in prompts], max_new_tokens)
+    capture = capture_cost(engine.runner, reach)
     params = SamplingParams(max_tokens=max_new_tokens, ignore_eos=True, detokenize=False)
     outputs = engine.llm.generate(prompts, params)
 
@@ -329,4 +334,4 @@ def engine_throughput(
         result, seconds = timed(lambda: engine.llm.generate(prompts, params), engine.runner.device)
         return GenerationThroughput(tokens=sum(len(o.output_ids) for o in result), seconds=seconds)
 
-    return round_, [list(o.output_ids) for o in outputs]
+    return round_, [list(o.output_ids) for o in outputs], capture

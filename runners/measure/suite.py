@@ -75,7 +75,8 @@ def run_benchmark(
 
 
 def _capture(base: EngineSpec) -> dict[str, Any]:
-    """The platform measured, and the capture cost of every default size against an eager step."""
+    """The platform measured, and the capture cost of every default size and bucket (the set
+    ``dsv4 serve`` captures, its requests unknown) against an eager step."""
     torch.set_num_threads(1)
     engine = build_engine(base)
     runner = engine.runner
@@ -179,7 +180,7 @@ def _generation(base: EngineSpec, spec: EngineSpec, options: BenchOptions) -> di
         [(11 * p + 3 * i) % 256 for i in range(8 + 4 * p)] for p in range(options.generate_prompts)
     ]
     model = build_model(spec)
-    ours, our_tokens = engine_throughput(base, model, prompts, options.max_new_tokens)
+    ours, our_tokens, run_capture = engine_throughput(base, model, prompts, options.max_new_tokens)
     device = next(model.parameters()).device  # where the engine put it
     contenders: dict[str, Callable[[], GenerationThroughput]] = {"engine": ours}
     if options.vs_transformers:
@@ -198,6 +199,10 @@ def _generation(base: EngineSpec, spec: EngineSpec, options: BenchOptions) -> di
     generation: dict[str, Any] = {
         "prompts": len(prompts),
         "max_new_tokens": options.max_new_tokens,
+        "run_capture": {
+            "graphs": len(run_capture.seconds_per_graph),
+            "total_s": round(run_capture.total_seconds, 4),
+        },
         "tokens_per_s": {k: round(statistics.median(v), 2) for k, v in rounds.items()},
     }
     if options.vs_transformers:

@@ -121,7 +121,11 @@ def test_unknown_held_bytes_render_as_n_a() -> None:
             "eager_step_peak_bytes": 3 * 2**20,
             "held/eager_step_peak": None,
         },
-        "generation": {"tokens_per_s": {"engine": 100.0}},
+        "generation": {
+            "prompts": 4,
+            "tokens_per_s": {"engine": 100.0},
+            "run_capture": {"graphs": 1, "total_s": 0.01},
+        },
         "limit": {"machine": [], "steps": [], "rows": [], "method": "m"},
         "tensor_parallel_size": 2,
         "collective_share_of_decode": 0.125,
@@ -130,7 +134,12 @@ def test_unknown_held_bytes_render_as_n_a() -> None:
     text = render(payload)
     assert "tensor parallel size 2: rank 0 spent 12.5% of the decode timing in collectives" in text
     assert text.splitlines()[0] == "platform cuda, device cuda"
-    assert "capture: 1 graphs in 0.01s, n/a held by captures (n/a the 3.0 MiB peak" in text
+    assert (
+        "capture: 1 graphs (every size and bucket, as dsv4 serve captures) in 0.01s, n/a held by"
+        in text
+    )
+    assert "(n/a the 3.0 MiB peak" in text
+    assert "dsv4 run of these 4 prompts captures 1 graphs (what their steps can reach)" in text
     assert "None" not in text
 
 
