@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv4.layers import as_dtype
+from dsv4.layers import as_dtype, rms_norm
 from dsv4.native import KERNELS
 
 __all__ = ["HyperConnection", "HyperHead", "mix", "sinkhorn_"]
@@ -114,7 +114,7 @@ class HyperConnection(nn.Module):
         """``streams [T, n, hidden]`` -> ``post [T, n]``, ``comb^T [T, n, n]``, block input."""
         n, tokens, eps = self.hc_mult, streams.shape[0], self.eps
         x = as_dtype(streams, torch.float32)
-        flat = F.rms_norm(x.flatten(1), (x.shape[1] * x.shape[2],), eps=self.norm_eps)
+        flat = rms_norm(x.flatten(1), None, self.norm_eps)
         scale = self.scale.index_select(0, self.scale_index)
         logits = F.linear(flat, self.fn) * scale + self.base
         pre, post, comb_logits = logits.split((n, n, n * n), dim=1)
@@ -150,7 +150,7 @@ class HyperHead(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         x = as_dtype(streams, torch.float32)
-        flat = F.rms_norm(x.flatten(1), (x.shape[1] * x.shape[2],), eps=self.norm_eps)
+        flat = rms_norm(x.flatten(1), None, self.norm_eps)
         logits = F.linear(flat, self.hc_fn) * self.hc_scale + self.hc_base
         pre = torch.sigmoid(logits) + self.eps
         return as_dtype(torch.einsum("tn,tnh->th", pre, x), streams.dtype)

@@ -2,8 +2,10 @@
 
 Numerics follow the reference: norms compute in fp32; a weighted norm multiplies by its fp32
 weight before casting back once, so bf16 models round where the reference rounds. Each norm is
-one fused ``rms_norm`` op (plus casts only where the dtype really changes): op count is what a
-step costs eagerly and on the CPU tape.
+one op (plus casts only where the dtype really changes): op count is what a step costs eagerly
+and on the CPU tape. On the CPU that op is ``dsv4::rms_norm_into``, one native kernel
+(``dsv4/_kernels.c``) where ATen's ``rms_norm`` runs six; elsewhere, where the kernels were not
+built, or where autograd records, it is ATen's ``rms_norm``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,43 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GroupedLinear", "RMSNorm", "as_dtype", "read_rows", "rms_normalize"]
+from dsv4.native import KERNELS
+
+__all__ = ["GroupedLinear", "RMSNorm", "as_dtype", "read_rows", "rms_norm", "rms_normalize"]
+
+_LIBRARY = torch.library.Library("dsv4", "FRAGMENT")
+_LIBRARY.define("rms_norm_into(Tensor(a!) out, Tensor x, Tensor? weight, float eps) -> ()")
+
+
+def _rms_norm_into_cpu(
+    out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, eps: float
+) -> None:
+    """The CPU kernel (``rms_norm`` checks what it hands over: contiguous float32 CPU tensors,
+    ``out`` shaped as ``x``, ``weight`` one value per column)."""
+    assert KERNELS is not None
+    width = x.shape[-1]
+    weights = None if weight is None else weight.data_ptr()
+    KERNELS.dsv4_rms_norm_f32(out.data_ptr(), x.data_ptr(), weights, x.numel() // width, width, eps)
+
+
+_LIBRARY.impl("rms_norm_into", _rms_norm_into_cpu, "CPU")
+_RMS_NORM_INTO = torch.ops.dsv4.rms_norm_into.default
+
+
+def _native_takes(t: torch.Tensor | None) -> bool:
+    return t is None or (t.dtype == torch.float32 and t.is_contiguous() and not t.is_cuda)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMS norm of a float32 ``x`` over its last axis, times ``weight`` if given: the native
+    kernel on the CPU (one op, a mean that may round differently from ATen's in its last bit),
+    ATen's ``rms_norm`` anywhere else and wherever autograd records."""
+    usable = KERNELS is not None and x.device.type == "cpu" and x.numel() > 0
+    if usable and _native_takes(x) and _native_takes(weight) and not torch.is_grad_enabled():
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        _RMS_NORM_INTO(out, x, weight, eps)
+        return out
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -34,7 +72,7 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     reference rounds it.
     """
     if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), eps=eps)
+        return rms_norm(x, None, eps)
     scale = torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps)
     return x * scale.to(x.dtype)
 
@@ -48,7 +86,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.rms_norm(as_dtype(x, torch.float32), (x.shape[-1],), self.weight, self.eps)
+        h = rms_norm(as_dtype(x, torch.float32), self.weight, self.eps)
         return as_dtype(h, x.dtype)
 
 

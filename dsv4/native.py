@@ -28,6 +28,9 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
             sinkhorn = library.dsv4_sinkhorn_f32
             sinkhorn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
             sinkhorn.restype = None
+            rms_norm = library.dsv4_rms_norm_f32
+            rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+            rms_norm.restype = None
             return library, f"loaded {path.name}"
     return None, "not built (the install found no C compiler); the composites run instead"
 
