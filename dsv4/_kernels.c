@@ -2,38 +2,116 @@
  *
  * Plain C with no Python or torch headers: it builds in a fraction of a second with any C
  * compiler and does not depend on torch's ABI. Each kernel says how it rounds against the
- * ATen kernels it replaces (tests/dsv4/test_sinkhorn.py and test_native_norm.py draw the inputs
- * that show it). */
+ * ATen kernels it replaces (tests/dsv4/test_sinkhorn.py and test_native_*.py draw the inputs
+ * that show it). Products and sums are never fused (``-ffp-contract=off``). */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
-/* ``iters`` Sinkhorn rounds, columns first, on the top-left n x n block of each of ``tokens``
- * contiguous float32 matrices of (n + 1) x (n + 1), in place. The last row and column of each
- * matrix hold eps: a column's sum is its n entries then the eps row below them, a row's sum its
- * n entries then the eps column, added in that order (as ``ones @ bordered`` adds them in
- * ``dsv4.hyper``); every entry of the column (row) is then divided by the sum. There are
- * 2 * iters - 1 half-rounds, at least one (the composite's first division comes before its
- * loop). */
-void dsv4_sinkhorn_f32(float *bordered, int64_t tokens, int64_t n, int64_t iters) {
+/* ``iters`` Sinkhorn rounds, columns first, on the top-left n x n block of one contiguous float32
+ * matrix of (n + 1) x (n + 1), in place. Its last row and column hold eps: a column's sum is its
+ * n entries then the eps row below them, a row's sum its n entries then the eps column, added
+ * in that order (as ``ones @ bordered`` adds them in ``dsv4.hyper``); every entry of the column
+ * (row) is then divided by the sum. There are 2 * iters - 1 half-rounds, at least one (the
+ * composite's first division comes before its loop). */
+static void sinkhorn_one(float *m, int64_t n, int64_t iters) {
     const int64_t width = n + 1;
     const int64_t halves = iters > 1 ? 2 * iters - 1 : 1;
-    for (int64_t t = 0; t < tokens; ++t) {
-        float *m = bordered + t * width * width;
-        for (int64_t half = 0; half < halves; ++half) {
-            if (half % 2 == 0) { /* columns */
-                for (int64_t j = 0; j < n; ++j) {
-                    float sum = 0.0f;
-                    for (int64_t i = 0; i <= n; ++i) sum += m[i * width + j];
-                    for (int64_t i = 0; i < n; ++i) m[i * width + j] /= sum;
-                }
-            } else { /* rows */
-                for (int64_t i = 0; i < n; ++i) {
-                    float sum = 0.0f;
-                    for (int64_t j = 0; j <= n; ++j) sum += m[i * width + j];
-                    for (int64_t j = 0; j < n; ++j) m[i * width + j] /= sum;
-                }
+    for (int64_t half = 0; half < halves; ++half) {
+        if (half % 2 == 0) { /* columns */
+            for (int64_t j = 0; j < n; ++j) {
+                float sum = 0.0f;
+                for (int64_t i = 0; i <= n; ++i) sum += m[i * width + j];
+                for (int64_t i = 0; i < n; ++i) m[i * width + j] /= sum;
             }
+        } else { /* rows */
+            for (int64_t i = 0; i < n; ++i) {
+                float sum = 0.0f;
+                for (int64_t j = 0; j <= n; ++j) sum += m[i * width + j];
+                for (int64_t j = 0; j < n; ++j) m[i * width + j] /= sum;
+            }
+        }
+    }
+}
+
+/* The Sinkhorn rounds on each of ``tokens`` contiguous (n + 1) x (n + 1) matrices: bit-equal to
+ * the composite (its sums run over the same n + 1 entries in the same order). */
+void dsv4_sinkhorn_f32(float *bordered, int64_t tokens, int64_t n, int64_t iters) {
+    for (int64_t t = 0; t < tokens; ++t) sinkhorn_one(bordered + t * (n + 1) * (n + 1), n, iters);
+}
+
+static float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
+
+/* A hyper-connection's mixing weights from its ``tokens`` x (2 + n) * n float32 ``logits``
+ * (``dsv4.hyper.HyperConnection``): each logit times its part's ``scale`` (3 values: pre,
+ * post, comb) plus its ``base``; ``pre = sigmoid + eps`` and ``post = 2 * sigmoid`` (tokens x
+ * n each); ``comb``, the row-wise softmax of the last n * n plus eps, into the top-left block
+ * of ``bordered`` (tokens x (n + 1) x (n + 1), its last row and column set to eps), then
+ * ``iters`` Sinkhorn rounds on it. ATen's steps in its order; its exp (in sigmoid and softmax)
+ * and the softmax's division may differ in the last place. */
+void dsv4_hc_weights_f32(float *pre, float *post, float *bordered, const float *logits,
+                         const float *scale, const float *base, int64_t tokens, int64_t n,
+                         float eps, int64_t iters) {
+    const int64_t width = (2 + n) * n, side = n + 1;
+    for (int64_t t = 0; t < tokens; ++t) {
+        const float *z = logits + t * width;
+        float *m = bordered + t * side * side;
+        for (int64_t i = 0; i < n; ++i) {
+            pre[t * n + i] = sigmoid(z[i] * scale[0] + base[i]) + eps;
+            post[t * n + i] = sigmoid(z[n + i] * scale[1] + base[n + i]) * 2.0f;
+        }
+        for (int64_t r = 0; r < n; ++r) {
+            const float *row = z + 2 * n + r * n, *row_base = base + 2 * n + r * n;
+            float *out = m + r * side, largest = -INFINITY, sum = 0.0f;
+            for (int64_t j = 0; j < n; ++j) {
+                out[j] = row[j] * scale[2] + row_base[j];
+                largest = out[j] > largest ? out[j] : largest;
+            }
+            for (int64_t j = 0; j < n; ++j) {
+                out[j] = expf(out[j] - largest);
+                sum += out[j];
+            }
+            const float inverse = 1.0f / sum; /* ATen multiplies by the reciprocal */
+            for (int64_t j = 0; j < n; ++j) out[j] = eps + out[j] * inverse;
+            out[n] = eps;
+        }
+        for (int64_t j = 0; j <= n; ++j) m[n * side + j] = eps;
+        sinkhorn_one(m, n, iters);
+    }
+}
+
+/* ``out[t, h] = sum over i of pre[t, i] * x[t, i, h]`` (``tokens`` x n x ``hidden`` float32
+ * ``x``, contiguous): the pre-weighted sum of the streams, i ascending. */
+void dsv4_hc_collapse_f32(float *out, const float *pre, const float *x, int64_t tokens,
+                          int64_t n, int64_t hidden) {
+    for (int64_t t = 0; t < tokens; ++t) {
+        float *dst = out + t * hidden;
+        for (int64_t h = 0; h < hidden; ++h) dst[h] = 0.0f;
+        for (int64_t i = 0; i < n; ++i) {
+            const float weight = pre[t * n + i], *src = x + (t * n + i) * hidden;
+            for (int64_t h = 0; h < hidden; ++h) dst[h] += weight * src[h];
+        }
+    }
+}
+
+/* New streams after a block (``dsv4.hyper.mix``): ``out[t, m, h] = post[t, m] * output[t, h]
+ * + sum over i of comb_t[t, m, i] * streams[t, i, h]``, the sum over i ascending and added last.
+ * ``comb_t`` is read through its strides (a transposed view of ``bordered``); everything else
+ * is contiguous float32. */
+void dsv4_hc_mix_f32(float *out, const float *streams, const float *post, const float *comb_t,
+                     int64_t comb_stride_t, int64_t comb_stride_m, int64_t comb_stride_i,
+                     const float *output, int64_t tokens, int64_t n, int64_t hidden) {
+    for (int64_t t = 0; t < tokens; ++t) {
+        for (int64_t m = 0; m < n; ++m) {
+            float *dst = out + (t * n + m) * hidden;
+            for (int64_t h = 0; h < hidden; ++h) dst[h] = 0.0f;
+            for (int64_t i = 0; i < n; ++i) {
+                const float weight = comb_t[t * comb_stride_t + m * comb_stride_m + i * comb_stride_i];
+                const float *src = streams + (t * n + i) * hidden;
+                for (int64_t h = 0; h < hidden; ++h) dst[h] += weight * src[h];
+            }
+            const float scale = post[t * n + m], *block = output + t * hidden;
+            for (int64_t h = 0; h < hidden; ++h) dst[h] = scale * block[h] + dst[h];
         }
     }
 }

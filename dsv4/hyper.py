@@ -27,6 +27,7 @@ from torch import nn
 
 from dsv4.layers import as_dtype, rms_norm
 from dsv4.native import KERNELS
+from dsv4.native_ops import HC_COLLAPSE_INTO, HC_MIX_INTO, HC_WEIGHTS_INTO, native_takes
 
 __all__ = ["HyperConnection", "HyperHead", "mix", "sinkhorn_"]
 
@@ -115,6 +116,16 @@ class HyperConnection(nn.Module):
         n, tokens, eps = self.hc_mult, streams.shape[0], self.eps
         x = as_dtype(streams, torch.float32)
         flat = rms_norm(x.flatten(1), None, self.norm_eps)
+        if native_takes(x, self.scale, self.base):  # the weights, then the collapse: two ops
+            logits = F.linear(flat, self.fn)
+            pre, post = x.new_empty(tokens, n), x.new_empty(tokens, n)
+            bordered = x.new_empty(tokens, n + 1, n + 1)
+            HC_WEIGHTS_INTO(
+                pre, post, bordered, logits, self.scale, self.base, eps, self.sinkhorn_iters
+            )
+            collapsed = x.new_empty(tokens, x.shape[-1])
+            HC_COLLAPSE_INTO(collapsed, pre, x)
+            return post, bordered[:, :n, :n].transpose(1, 2), as_dtype(collapsed, streams.dtype)
         scale = self.scale.index_select(0, self.scale_index)
         logits = F.linear(flat, self.fn) * scale + self.base
         pre, post, comb_logits = logits.split((n, n, n * n), dim=1)
@@ -132,6 +143,10 @@ def mix(
     streams: torch.Tensor, post: torch.Tensor, comb_t: torch.Tensor, output: torch.Tensor
 ) -> torch.Tensor:
     """New streams: ``post * output`` spread over the copies plus ``comb^T @ streams``."""
+    if native_takes(streams, post, output, strided=comb_t):
+        out = torch.empty_like(streams)
+        HC_MIX_INTO(out, streams, post, comb_t, output)
+        return out
     dtype = streams.dtype
     carried = torch.bmm(as_dtype(comb_t, dtype), streams)
     return as_dtype(post, dtype).unsqueeze(-1) * output.unsqueeze(-2) + carried
@@ -153,4 +168,8 @@ class HyperHead(nn.Module):
         flat = rms_norm(x.flatten(1), None, self.norm_eps)
         logits = F.linear(flat, self.hc_fn) * self.hc_scale + self.hc_base
         pre = torch.sigmoid(logits) + self.eps
+        if native_takes(x, pre):
+            collapsed = x.new_empty(x.shape[0], x.shape[-1])
+            HC_COLLAPSE_INTO(collapsed, pre, x)
+            return as_dtype(collapsed, streams.dtype)
         return as_dtype(torch.einsum("tn,tnh->th", pre, x), streams.dtype)

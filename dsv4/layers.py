@@ -14,41 +14,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv4.native import KERNELS
+from dsv4.native_ops import RMS_NORM_INTO, native_takes
 
 __all__ = ["GroupedLinear", "RMSNorm", "as_dtype", "read_rows", "rms_norm", "rms_normalize"]
-
-_LIBRARY = torch.library.Library("dsv4", "FRAGMENT")
-_LIBRARY.define("rms_norm_into(Tensor(a!) out, Tensor x, Tensor? weight, float eps) -> ()")
-
-
-def _rms_norm_into_cpu(
-    out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, eps: float
-) -> None:
-    """The CPU kernel (``rms_norm`` checks what it hands over: contiguous float32 CPU tensors,
-    ``out`` shaped as ``x``, ``weight`` one value per column)."""
-    assert KERNELS is not None
-    width = x.shape[-1]
-    weights = None if weight is None else weight.data_ptr()
-    KERNELS.dsv4_rms_norm_f32(out.data_ptr(), x.data_ptr(), weights, x.numel() // width, width, eps)
-
-
-_LIBRARY.impl("rms_norm_into", _rms_norm_into_cpu, "CPU")
-_RMS_NORM_INTO = torch.ops.dsv4.rms_norm_into.default
-
-
-def _native_takes(t: torch.Tensor | None) -> bool:
-    return t is None or (t.dtype == torch.float32 and t.is_contiguous() and not t.is_cuda)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMS norm of a float32 ``x`` over its last axis, times ``weight`` if given: the native
     kernel on the CPU (one op, a mean that may round differently from ATen's in its last bit),
     ATen's ``rms_norm`` anywhere else and wherever autograd records."""
-    usable = KERNELS is not None and x.device.type == "cpu" and x.numel() > 0
-    if usable and _native_takes(x) and _native_takes(weight) and not torch.is_grad_enabled():
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        _RMS_NORM_INTO(out, x, weight, eps)
+    if x.numel() > 0 and native_takes(x, weight):
+        out = torch.empty_like(x)
+        RMS_NORM_INTO(out, x, weight, eps)
         return out
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 

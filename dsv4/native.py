@@ -16,6 +16,27 @@ from pathlib import Path
 __all__ = ["KERNELS", "reason"]
 
 
+_POINTER: type = ctypes.c_void_p
+_SIZE: type = ctypes.c_int64
+_FLOAT: type = ctypes.c_float
+_SIGNATURES: dict[str, list[type]] = {
+    "dsv4_sinkhorn_f32": [_POINTER, _SIZE, _SIZE, _SIZE],
+    "dsv4_rms_norm_f32": [_POINTER] * 3 + [_SIZE] * 2 + [_FLOAT],
+    "dsv4_hc_weights_f32": [_POINTER] * 6 + [_SIZE] * 2 + [_FLOAT, _SIZE],
+    "dsv4_hc_collapse_f32": [_POINTER] * 3 + [_SIZE] * 3,
+    "dsv4_hc_mix_f32": [_POINTER] * 4 + [_SIZE] * 3 + [_POINTER] + [_SIZE] * 3,
+}
+"""Each kernel's C parameters (pointers, ``int64_t`` sizes, ``float`` scalars); all return
+``void``."""
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    for name, parameters in _SIGNATURES.items():
+        kernel = getattr(library, name)
+        kernel.argtypes = parameters
+        kernel.restype = None
+
+
 def _load() -> tuple[ctypes.CDLL | None, str]:
     here = Path(__file__).resolve().parent
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
@@ -25,12 +46,10 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
                 library = ctypes.CDLL(str(path))
             except OSError as error:
                 return None, f"{path.name} did not load: {error}"
-            sinkhorn = library.dsv4_sinkhorn_f32
-            sinkhorn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
-            sinkhorn.restype = None
-            rms_norm = library.dsv4_rms_norm_f32
-            rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
-            rms_norm.restype = None
+            try:
+                _declare(library)
+            except AttributeError as error:  # built from an older _kernels.c
+                return None, f"{path.name} is stale ({error}); reinstall the project"
             return library, f"loaded {path.name}"
     return None, "not built (the install found no C compiler); the composites run instead"
 

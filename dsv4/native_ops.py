@@ -1,0 +1,117 @@
+"""Operators of this project backed by the native CPU kernels (``dsv4/_kernels.c``).
+
+Each is an ``_into`` operator (``torch.library``): it writes tensors its caller allocated
+(``empty``, which a graph does not replay) and returns nothing, so a capture records one op and
+replays it as recorded. They have CPU kernels only: callers take them where ``native_takes`` holds
+for every tensor they hand over — the kernels were built, the tensors are float32 CPU tensors
+laid out as the kernel reads them, and no autograd is recording — and ATen's ops elsewhere. How
+each kernel rounds against those ATen ops is stated in ``dsv4/_kernels.c`` and drawn in
+``tests/dsv4/test_native_*.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4.native import KERNELS
+
+__all__ = ["HC_COLLAPSE_INTO", "HC_MIX_INTO", "HC_WEIGHTS_INTO", "RMS_NORM_INTO", "native_takes"]
+
+_LIBRARY = torch.library.Library("dsv4", "FRAGMENT")
+_LIBRARY.define("rms_norm_into(Tensor(a!) out, Tensor x, Tensor? weight, float eps) -> ()")
+_LIBRARY.define(
+    "hc_weights_into(Tensor(a!) pre, Tensor(b!) post, Tensor(c!) bordered, Tensor logits, "
+    "Tensor scale, Tensor base, float eps, int iters) -> ()"
+)
+_LIBRARY.define("hc_collapse_into(Tensor(a!) out, Tensor pre, Tensor x) -> ()")
+_LIBRARY.define(
+    "hc_mix_into(Tensor(a!) out, Tensor streams, Tensor post, Tensor comb_t, Tensor output) -> ()"
+)
+
+
+def native_takes(*tensors: torch.Tensor | None, strided: torch.Tensor | None = None) -> bool:
+    """Whether the native operators may run on ``tensors`` (each ``None``, or a contiguous
+    float32 CPU tensor) and ``strided`` (float32 CPU, any strides): the kernels were built and
+    autograd is not recording."""
+    if KERNELS is None or torch.is_grad_enabled():
+        return False
+    contiguous = all(
+        t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous())
+        for t in tensors
+    )
+    return contiguous and (
+        strided is None or (strided.dtype == torch.float32 and strided.device.type == "cpu")
+    )
+
+
+def _rms_norm_into(
+    out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, eps: float
+) -> None:
+    assert KERNELS is not None
+    width = x.shape[-1]
+    weights = None if weight is None else weight.data_ptr()
+    KERNELS.dsv4_rms_norm_f32(out.data_ptr(), x.data_ptr(), weights, x.numel() // width, width, eps)
+
+
+def _hc_weights_into(
+    pre: torch.Tensor,
+    post: torch.Tensor,
+    bordered: torch.Tensor,
+    logits: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    eps: float,
+    iters: int,
+) -> None:
+    assert KERNELS is not None
+    tokens, n = pre.shape
+    KERNELS.dsv4_hc_weights_f32(
+        pre.data_ptr(),
+        post.data_ptr(),
+        bordered.data_ptr(),
+        logits.data_ptr(),
+        scale.data_ptr(),
+        base.data_ptr(),
+        tokens,
+        n,
+        eps,
+        iters,
+    )
+
+
+def _hc_collapse_into(out: torch.Tensor, pre: torch.Tensor, x: torch.Tensor) -> None:
+    assert KERNELS is not None
+    tokens, n, hidden = x.shape
+    KERNELS.dsv4_hc_collapse_f32(out.data_ptr(), pre.data_ptr(), x.data_ptr(), tokens, n, hidden)
+
+
+def _hc_mix_into(
+    out: torch.Tensor,
+    streams: torch.Tensor,
+    post: torch.Tensor,
+    comb_t: torch.Tensor,
+    output: torch.Tensor,
+) -> None:
+    assert KERNELS is not None
+    tokens, n, hidden = streams.shape
+    KERNELS.dsv4_hc_mix_f32(
+        out.data_ptr(),
+        streams.data_ptr(),
+        post.data_ptr(),
+        comb_t.data_ptr(),
+        *comb_t.stride(),
+        output.data_ptr(),
+        tokens,
+        n,
+        hidden,
+    )
+
+
+_LIBRARY.impl("rms_norm_into", _rms_norm_into, "CPU")
+_LIBRARY.impl("hc_weights_into", _hc_weights_into, "CPU")
+_LIBRARY.impl("hc_collapse_into", _hc_collapse_into, "CPU")
+_LIBRARY.impl("hc_mix_into", _hc_mix_into, "CPU")
+RMS_NORM_INTO = torch.ops.dsv4.rms_norm_into.default
+HC_WEIGHTS_INTO = torch.ops.dsv4.hc_weights_into.default
+HC_COLLAPSE_INTO = torch.ops.dsv4.hc_collapse_into.default
+HC_MIX_INTO = torch.ops.dsv4.hc_mix_into.default
