@@ -137,3 +137,42 @@ void dsv4_rms_norm_f32(float *out, const float *x, const float *weight, int64_t 
         }
     }
 }
+
+/* The clamped SwiGLU of ``rows`` x ``width`` float32 values (``dsv4.expert_kernels.swiglu``):
+ * ``silu(min(gate, limit)) * clamp(up, -limit, limit)``, silu as ATen's ``x / (1 + exp(-x))``
+ * (its exp may differ in the last place), NaN kept as ATen's clamp keeps it. ``gate`` and ``up``
+ * rows start ``gate_stride`` and ``up_stride`` values apart (the two halves of one product);
+ * ``out`` is contiguous. */
+void dsv4_swiglu_f32(float *out, const float *gate, int64_t gate_stride, const float *up,
+                     int64_t up_stride, int64_t rows, int64_t width, float limit) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *g = gate + r * gate_stride, *u = up + r * up_stride;
+        float *dst = out + r * width;
+        for (int64_t i = 0; i < width; ++i) {
+            const float clamped = g[i] > limit ? limit : g[i];
+            const float bounded = u[i] < -limit ? -limit : (u[i] > limit ? limit : u[i]);
+            dst[i] = (clamped / (1.0f + expf(-clamped))) * bounded;
+        }
+    }
+}
+
+/* Rotary embedding (``dsv4.rope.RotaryEmbedding.rotate``) of ``tokens`` x ``heads`` vectors of
+ * ``width`` contiguous float32 values: ``x * cos + x[swap] * sin`` (``- x[swap] * sin`` when
+ * ``inverse``), each product rounded, then the sum: ATen's three kernels, bit for bit. ``cos``
+ * and ``sin`` hold one row of ``width`` per token, rows ``table_stride`` values apart; ``swap``
+ * is the channel each channel pairs with. */
+void dsv4_rope_f32(float *out, const float *x, const float *cos, const float *sin,
+                   int64_t table_stride, const int64_t *swap, int64_t tokens, int64_t heads,
+                   int64_t width, int64_t inverse) {
+    for (int64_t t = 0; t < tokens; ++t) {
+        const float *c = cos + t * table_stride, *s = sin + t * table_stride;
+        for (int64_t h = 0; h < heads; ++h) {
+            const float *v = x + (t * heads + h) * width;
+            float *dst = out + (t * heads + h) * width;
+            for (int64_t j = 0; j < width; ++j) {
+                const float kept = v[j] * c[j], turned = v[swap[j]] * s[j];
+                dst[j] = inverse ? kept - turned : kept + turned;
+            }
+        }
+    }
+}

@@ -15,7 +15,16 @@ import torch
 
 from dsv4.native import KERNELS
 
-__all__ = ["HC_COLLAPSE_INTO", "HC_MIX_INTO", "HC_WEIGHTS_INTO", "RMS_NORM_INTO", "native_takes"]
+__all__ = [
+    "HC_COLLAPSE_INTO",
+    "HC_MIX_INTO",
+    "HC_WEIGHTS_INTO",
+    "RMS_NORM_INTO",
+    "ROPE_INTO",
+    "SWIGLU_INTO",
+    "native_takes",
+    "row_stride",
+]
 
 _LIBRARY = torch.library.Library("dsv4", "FRAGMENT")
 _LIBRARY.define("rms_norm_into(Tensor(a!) out, Tensor x, Tensor? weight, float eps) -> ()")
@@ -26,6 +35,10 @@ _LIBRARY.define(
 _LIBRARY.define("hc_collapse_into(Tensor(a!) out, Tensor pre, Tensor x) -> ()")
 _LIBRARY.define(
     "hc_mix_into(Tensor(a!) out, Tensor streams, Tensor post, Tensor comb_t, Tensor output) -> ()"
+)
+_LIBRARY.define("swiglu_into(Tensor(a!) out, Tensor gate, Tensor up, float limit) -> ()")
+_LIBRARY.define(
+    "rope_into(Tensor(a!) out, Tensor x, Tensor cos, Tensor sin, Tensor swap, bool inverse) -> ()"
 )
 
 
@@ -42,6 +55,24 @@ def native_takes(*tensors: torch.Tensor | None, strided: torch.Tensor | None = N
     return contiguous and (
         strided is None or (strided.dtype == torch.float32 and strided.device.type == "cpu")
     )
+
+
+def row_stride(t: torch.Tensor, rows: int) -> int | None:
+    """The distance between consecutive rows of a float32 CPU ``t`` seen as ``rows`` rows of its
+    last axis (contiguous), its leading axes collapsed; ``None`` where they do not collapse to
+    evenly spaced rows that do not overlap."""
+    if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() == 0 or t.stride(-1) != 1:
+        return None
+    sizes, strides = t.shape[:-1], t.stride()[:-1]
+    leading = [(size, stride) for size, stride in zip(sizes, strides, strict=True) if size != 1]
+    if not leading:
+        return t.shape[-1] if rows == 1 else None
+    step = expected = leading[-1][1]
+    for size, stride in reversed(leading):
+        if stride != expected:
+            return None
+        expected = stride * size
+    return step if step >= t.shape[-1] and expected == step * rows else None
 
 
 def _rms_norm_into(
@@ -107,7 +138,44 @@ def _hc_mix_into(
     )
 
 
+def _swiglu_into(out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, limit: float) -> None:
+    assert KERNELS is not None
+    width = out.shape[-1]
+    rows = out.numel() // width
+    gate_stride, up_stride = row_stride(gate, rows), row_stride(up, rows)
+    assert gate_stride is not None and up_stride is not None
+    KERNELS.dsv4_swiglu_f32(
+        out.data_ptr(), gate.data_ptr(), gate_stride, up.data_ptr(), up_stride, rows, width, limit
+    )
+
+
+def _rope_into(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    swap: torch.Tensor,
+    inverse: bool,
+) -> None:
+    assert KERNELS is not None
+    tokens, width = x.shape[0], x.shape[-1]
+    KERNELS.dsv4_rope_f32(
+        out.data_ptr(),
+        x.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        cos.stride(0),
+        swap.data_ptr(),
+        tokens,
+        x.numel() // (tokens * width),
+        width,
+        int(inverse),
+    )
+
+
 _LIBRARY.impl("rms_norm_into", _rms_norm_into, "CPU")
+_LIBRARY.impl("swiglu_into", _swiglu_into, "CPU")
+_LIBRARY.impl("rope_into", _rope_into, "CPU")
 _LIBRARY.impl("hc_weights_into", _hc_weights_into, "CPU")
 _LIBRARY.impl("hc_collapse_into", _hc_collapse_into, "CPU")
 _LIBRARY.impl("hc_mix_into", _hc_mix_into, "CPU")
@@ -115,3 +183,5 @@ RMS_NORM_INTO = torch.ops.dsv4.rms_norm_into.default
 HC_WEIGHTS_INTO = torch.ops.dsv4.hc_weights_into.default
 HC_COLLAPSE_INTO = torch.ops.dsv4.hc_collapse_into.default
 HC_MIX_INTO = torch.ops.dsv4.hc_mix_into.default
+SWIGLU_INTO = torch.ops.dsv4.swiglu_into.default
+ROPE_INTO = torch.ops.dsv4.rope_into.default

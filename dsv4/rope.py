@@ -29,6 +29,7 @@ from torch import nn
 
 from dsv4.config import YarnScaling
 from dsv4.layers import as_dtype
+from dsv4.native_ops import ROPE_INTO, native_takes
 
 __all__ = ["RotaryEmbedding", "RotaryTables", "inverse_frequencies"]
 
@@ -97,6 +98,23 @@ class _WidthTables(nn.Module):
         self.scaled = scaling != 1.0
 
 
+def _rows_per_token(tables: RotaryTables, h: torch.Tensor) -> bool:
+    """Whether ``tables`` hold one row per token of ``h`` ``[T, ..., width]`` (broadcast over
+    its middle axes) as the native rotation reads them: contiguous rows, evenly spaced."""
+    cos, sin = tables.cos, tables.sin
+    return (
+        cos.shape == sin.shape
+        and cos.stride() == sin.stride()
+        and cos.dim() <= h.dim()
+        and cos.shape[0] == h.shape[0]
+        and cos.shape[-1] == h.shape[-1]
+        and all(size == 1 for size in cos.shape[1:-1])
+        and cos.stride(-1) == 1
+        and cos.dtype == torch.float32
+        and cos.device.type == "cpu"
+    )
+
+
 class RotaryEmbedding(nn.Module):
     """One RoPE part (``main`` or ``compress``) for vectors whose trailing ``dim`` channels rotate.
 
@@ -142,6 +160,11 @@ class RotaryEmbedding(nn.Module):
         """Rotate the trailing ``dim`` channels of ``x`` ``[..., width]`` by ``tables`` of the
         same width and rank (``tables.last(width)``, ``.per_head()``)."""
         h = as_dtype(x, torch.float32)
-        turned = h.index_select(-1, self._rows(x.shape[-1]).swap) * tables.sin
+        swap = self._rows(x.shape[-1]).swap
+        if native_takes(h) and _rows_per_token(tables, h):  # on the CPU: one op, bit-equal
+            out = torch.empty_like(h)
+            ROPE_INTO(out, h, tables.cos, tables.sin, swap, inverse)
+            return as_dtype(out, x.dtype)
+        turned = h.index_select(-1, swap) * tables.sin
         rotated = h * tables.cos - turned if inverse else h * tables.cos + turned
         return as_dtype(rotated, x.dtype)
