@@ -21,13 +21,23 @@ round where the reference rounds.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dsv4.layers import as_dtype, rms_norm
 from dsv4.native import KERNELS
-from dsv4.native_ops import HC_COLLAPSE_INTO, HC_MIX_INTO, HC_WEIGHTS_INTO, native_takes
+from dsv4.native_ops import (
+    HC_COLLAPSE_INTO,
+    HC_MIX_INTO,
+    HC_WEIGHTS_INTO,
+    bound_call,
+    native_takes,
+)
+from graphs.bound_kernels import register_binder
 
 __all__ = ["HyperConnection", "HyperHead", "mix", "sinkhorn_"]
 
@@ -53,19 +63,24 @@ def _sinkhorn_rounds(
         comb.div_(torch.bmm(ones, columns, out=sums))
 
 
-def _sinkhorn_cpu(bordered: torch.Tensor, ones: torch.Tensor, iters: int) -> None:
-    """The CPU kernel: one native call (``dsv4.native``) for a contiguous float32 ``bordered``
-    (every model's, as the mixing weights are fp32), bit-equal to the rounds as kernels, which
-    run for anything else or where the native kernels were not built."""
+def _bind_sinkhorn(bordered: torch.Tensor, ones: torch.Tensor, iters: int) -> Callable[[], object]:
+    """The CPU kernel, bound (``graphs.bound_kernels``): one native call for a contiguous
+    float32 ``bordered`` (every model's, as the mixing weights are fp32), bit-equal to the rounds
+    as kernels, which run for anything else or where the native kernels were not built."""
     if KERNELS is not None and bordered.dtype == torch.float32 and bordered.is_contiguous():
         n = bordered.shape[-1] - 1
-        KERNELS.dsv4_sinkhorn_f32(bordered.data_ptr(), bordered.shape[0], n, iters)
-        return
-    _sinkhorn_rounds(bordered, ones, iters)
+        kernel = KERNELS.dsv4_sinkhorn_f32
+        return bound_call(kernel, (bordered,), bordered.data_ptr(), bordered.shape[0], n, iters)
+    return functools.partial(_sinkhorn_rounds, bordered, ones, iters)
+
+
+def _sinkhorn_cpu(bordered: torch.Tensor, ones: torch.Tensor, iters: int) -> None:
+    _bind_sinkhorn(bordered, ones, iters)()
 
 
 _LIBRARY.impl("sinkhorn_", _sinkhorn_rounds, "CompositeExplicitAutograd")
 _LIBRARY.impl("sinkhorn_", _sinkhorn_cpu, "CPU")
+register_binder(torch.ops.dsv4.sinkhorn_.default, _bind_sinkhorn)
 _SINKHORN = torch.ops.dsv4.sinkhorn_.default
 
 

@@ -11,9 +11,16 @@ each kernel rounds against those ATen ops is stated in ``dsv4/_kernels.c`` and d
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from dsv4.native import KERNELS
+from graphs.bound_kernels import Binder, register_binder
+
+Step = Callable[[], object]
 
 __all__ = [
     "HC_COLLAPSE_INTO",
@@ -22,6 +29,7 @@ __all__ = [
     "RMS_NORM_INTO",
     "ROPE_INTO",
     "SWIGLU_INTO",
+    "bound_call",
     "native_takes",
     "row_stride",
 ]
@@ -75,16 +83,36 @@ def row_stride(t: torch.Tensor, rows: int) -> int | None:
     return step if step >= t.shape[-1] and expected == step * rows else None
 
 
-def _rms_norm_into(
+def bound_call(kernel: Any, tensors: tuple[torch.Tensor | None, ...], *arguments: Any) -> Step:
+    """``kernel(*arguments)`` as a zero-argument call holding ``tensors`` (whose addresses are
+    among ``arguments``), so their memory lives as long as the call."""
+    call = functools.partial(kernel, *arguments)
+    call.tensors = tensors  # type: ignore[attr-defined]
+    return call
+
+
+def _address(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _bind_rms_norm(
     out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, eps: float
-) -> None:
+) -> Step:
     assert KERNELS is not None
     width = x.shape[-1]
-    weights = None if weight is None else weight.data_ptr()
-    KERNELS.dsv4_rms_norm_f32(out.data_ptr(), x.data_ptr(), weights, x.numel() // width, width, eps)
+    return bound_call(
+        KERNELS.dsv4_rms_norm_f32,
+        (out, x, weight),
+        out.data_ptr(),
+        x.data_ptr(),
+        _address(weight),
+        x.numel() // width,
+        width,
+        eps,
+    )
 
 
-def _hc_weights_into(
+def _bind_hc_weights(
     pre: torch.Tensor,
     post: torch.Tensor,
     bordered: torch.Tensor,
@@ -93,43 +121,34 @@ def _hc_weights_into(
     base: torch.Tensor,
     eps: float,
     iters: int,
-) -> None:
+) -> Step:
     assert KERNELS is not None
+    tensors = (pre, post, bordered, logits, scale, base)
     tokens, n = pre.shape
-    KERNELS.dsv4_hc_weights_f32(
-        pre.data_ptr(),
-        post.data_ptr(),
-        bordered.data_ptr(),
-        logits.data_ptr(),
-        scale.data_ptr(),
-        base.data_ptr(),
-        tokens,
-        n,
-        eps,
-        iters,
-    )
+    addresses = [t.data_ptr() for t in tensors]
+    return bound_call(KERNELS.dsv4_hc_weights_f32, tensors, *addresses, tokens, n, eps, iters)
 
 
-def _hc_collapse_into(out: torch.Tensor, pre: torch.Tensor, x: torch.Tensor) -> None:
+def _bind_hc_collapse(out: torch.Tensor, pre: torch.Tensor, x: torch.Tensor) -> Step:
     assert KERNELS is not None
     tokens, n, hidden = x.shape
-    KERNELS.dsv4_hc_collapse_f32(out.data_ptr(), pre.data_ptr(), x.data_ptr(), tokens, n, hidden)
+    addresses = [t.data_ptr() for t in (out, pre, x)]
+    return bound_call(KERNELS.dsv4_hc_collapse_f32, (out, pre, x), *addresses, tokens, n, hidden)
 
 
-def _hc_mix_into(
+def _bind_hc_mix(
     out: torch.Tensor,
     streams: torch.Tensor,
     post: torch.Tensor,
     comb_t: torch.Tensor,
     output: torch.Tensor,
-) -> None:
+) -> Step:
     assert KERNELS is not None
     tokens, n, hidden = streams.shape
-    KERNELS.dsv4_hc_mix_f32(
-        out.data_ptr(),
-        streams.data_ptr(),
-        post.data_ptr(),
-        comb_t.data_ptr(),
+    return bound_call(
+        KERNELS.dsv4_hc_mix_f32,
+        (out, streams, post, comb_t, output),
+        *(t.data_ptr() for t in (out, streams, post, comb_t)),
         *comb_t.stride(),
         output.data_ptr(),
         tokens,
@@ -138,32 +157,40 @@ def _hc_mix_into(
     )
 
 
-def _swiglu_into(out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, limit: float) -> None:
+def _bind_swiglu(out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, limit: float) -> Step:
     assert KERNELS is not None
     width = out.shape[-1]
     rows = out.numel() // width
     gate_stride, up_stride = row_stride(gate, rows), row_stride(up, rows)
     assert gate_stride is not None and up_stride is not None
-    KERNELS.dsv4_swiglu_f32(
-        out.data_ptr(), gate.data_ptr(), gate_stride, up.data_ptr(), up_stride, rows, width, limit
+    return bound_call(
+        KERNELS.dsv4_swiglu_f32,
+        (out, gate, up),
+        out.data_ptr(),
+        gate.data_ptr(),
+        gate_stride,
+        up.data_ptr(),
+        up_stride,
+        rows,
+        width,
+        limit,
     )
 
 
-def _rope_into(
+def _bind_rope(
     out: torch.Tensor,
     x: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     swap: torch.Tensor,
     inverse: bool,
-) -> None:
+) -> Step:
     assert KERNELS is not None
     tokens, width = x.shape[0], x.shape[-1]
-    KERNELS.dsv4_rope_f32(
-        out.data_ptr(),
-        x.data_ptr(),
-        cos.data_ptr(),
-        sin.data_ptr(),
+    return bound_call(
+        KERNELS.dsv4_rope_f32,
+        (out, x, cos, sin, swap),
+        *(t.data_ptr() for t in (out, x, cos, sin)),
         cos.stride(0),
         swap.data_ptr(),
         tokens,
@@ -173,12 +200,27 @@ def _rope_into(
     )
 
 
-_LIBRARY.impl("rms_norm_into", _rms_norm_into, "CPU")
-_LIBRARY.impl("swiglu_into", _swiglu_into, "CPU")
-_LIBRARY.impl("rope_into", _rope_into, "CPU")
-_LIBRARY.impl("hc_weights_into", _hc_weights_into, "CPU")
-_LIBRARY.impl("hc_collapse_into", _hc_collapse_into, "CPU")
-_LIBRARY.impl("hc_mix_into", _hc_mix_into, "CPU")
+def _run_bound(bind: Binder) -> Callable[..., None]:
+    """The CPU kernel of an operator whose binder is ``bind``: bind, then call."""
+
+    def kernel(*args: Any) -> None:
+        bind(*args)()
+
+    return kernel
+
+
+_BINDERS: dict[str, Binder] = {
+    "rms_norm_into": _bind_rms_norm,
+    "hc_weights_into": _bind_hc_weights,
+    "hc_collapse_into": _bind_hc_collapse,
+    "hc_mix_into": _bind_hc_mix,
+    "swiglu_into": _bind_swiglu,
+    "rope_into": _bind_rope,
+}
+for _name, _bind in _BINDERS.items():
+    _LIBRARY.impl(_name, _run_bound(_bind), "CPU")
+    register_binder(getattr(torch.ops.dsv4, _name).default, _bind)
+
 RMS_NORM_INTO = torch.ops.dsv4.rms_norm_into.default
 HC_WEIGHTS_INTO = torch.ops.dsv4.hc_weights_into.default
 HC_COLLAPSE_INTO = torch.ops.dsv4.hc_collapse_into.default

@@ -10,7 +10,8 @@ While recording, each op gets a plan (``graphs.tape.steps``). The candidates, fa
   ``torch._library._out_variant.to_out_variant`` finds (a naive ``.out`` lookup is wrong for
   ``pow``, ``le``, ``where``, ``softmax.int``, ``index``).
 - ``Call``: in-place and user ``out=`` ops re-run as recorded (the public ``Tensor`` method when
-  it was checked to match, the operator otherwise).
+  it was checked to match, the operator otherwise); an operator with a binder
+  (``graphs.bound_kernels``) replays as ``Bound``, its own kernel on fixed addresses.
 - ``CallCopy``: the fallback for everything else: run the op, copy its fresh outputs into place.
 
 Two rewrites come before the public forms, for dtypes whose arithmetic computes in the dtype
@@ -39,8 +40,19 @@ from torch._library._out_variant import get_out_arg_names, to_out_variant
 
 from graphs._ops import op_name
 from graphs._tensor_refs import tensors_of
+from graphs.bound_kernels import binder_of
 from graphs.tape.checking import call_matches, reproduces
-from graphs.tape.steps import Call, CallCopy, CallOut, Const, CopyFrom, Fill, Plan, SumThenDivide
+from graphs.tape.steps import (
+    Bound,
+    Call,
+    CallCopy,
+    CallOut,
+    Const,
+    CopyFrom,
+    Fill,
+    Plan,
+    SumThenDivide,
+)
 
 __all__ = ["PlanCache", "plan_factory", "plan_functional", "plan_mutating", "signature"]
 
@@ -260,6 +272,9 @@ def plan_mutating(
     op = _op_callable(func)
     if fresh:
         return CallCopy(op, fresh)
+    bind = binder_of(func)
+    if bind is not None:  # its own CPU kernel, bound: the same function by construction
+        return Bound(bind)
     if key is not None and key in cache:
         return cache[key]
     name = op_name(func)

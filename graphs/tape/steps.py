@@ -22,6 +22,7 @@ import torch
 from graphs._tensor_refs import tensors_of
 
 __all__ = [
+    "Bound",
     "Call",
     "CallCopy",
     "CallOut",
@@ -157,4 +158,15 @@ class Const:
         return functools.partial(torch.Tensor.copy_, outs[0], self.saved)
 
 
-Plan = Call | CallOut | SumThenDivide | CallCopy | CopyFrom | Fill | Const
+@attrs.frozen
+class Bound:
+    """The operator's kernel called on the replay tensors' fixed addresses
+    (``graphs.bound_kernels``: what a CUDA graph does with every kernel)."""
+
+    bind: Callable[..., Step]
+
+    def build(self, args: Args, kwargs: dict[str, Any], outs: Outs) -> Step:
+        return self.bind(*args, **kwargs)
+
+
+Plan = Call | CallOut | SumThenDivide | CallCopy | CopyFrom | Fill | Const | Bound
