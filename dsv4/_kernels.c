@@ -1,12 +1,23 @@
 /* Native CPU kernels of dsv4's custom operators, loaded with ctypes by ``dsv4.native``.
  *
- * Plain C with no Python or torch headers: it builds in a fraction of a second with any C
- * compiler and does not depend on torch's ABI. Each kernel says how it rounds against the
+ * Plain C without torch's headers: it builds in a fraction of a second with any C compiler and
+ * does not depend on torch's ABI. It is also an (empty) Python extension module, so whatever
+ * imports every module of the package imports it too, and ``dsv4.native`` finds it by import. Each kernel says how it rounds against the
  * ATen kernels it replaces (tests/dsv4/test_sinkhorn.py and test_native_*.py draw the inputs
  * that show it). Products and sums are never fused (``-ffp-contract=off``). */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+
+static struct PyModuleDef kernels_module = {
+    PyModuleDef_HEAD_INIT, "_kernels",
+    "Native CPU kernels of dsv4's operators; called through ctypes (dsv4.native).", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&kernels_module); }
 
 /* ``iters`` Sinkhorn rounds, columns first, on the top-left n x n block of one contiguous float32
  * matrix of (n + 1) x (n + 1), in place. Its last row and column hold eps: a column's sum is its

@@ -10,7 +10,6 @@ dtype, device and layout before it hands a tensor over.
 from __future__ import annotations
 
 import ctypes
-import importlib.machinery
 from pathlib import Path
 
 __all__ = ["KERNELS", "reason"]
@@ -40,20 +39,17 @@ def _declare(library: ctypes.CDLL) -> None:
 
 
 def _load() -> tuple[ctypes.CDLL | None, str]:
-    here = Path(__file__).resolve().parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = here / f"_kernels{suffix}"
-        if path.exists():
-            try:
-                library = ctypes.CDLL(str(path))
-            except OSError as error:
-                return None, f"{path.name} did not load: {error}"
-            try:
-                _declare(library)
-            except AttributeError as error:  # built from an older _kernels.c
-                return None, f"{path.name} is stale ({error}); reinstall the project"
-            return library, f"loaded {path.name}"
-    return None, "not built (the install found no C compiler); the composites run instead"
+    try:
+        from dsv4 import _kernels  # type: ignore[attr-defined]
+    except ImportError as error:
+        return None, f"not built ({error}); the composites run instead"
+    name = Path(_kernels.__file__).name
+    try:
+        library = ctypes.CDLL(_kernels.__file__)
+        _declare(library)
+    except (OSError, AttributeError) as error:  # unloadable, or built from an older source
+        return None, f"{name} is unusable ({error}); reinstall the project"
+    return library, f"loaded {name}"
 
 
 KERNELS, reason = _load()
