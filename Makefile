@@ -14,7 +14,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-$(STAMP): $(BIN)/python pyproject.toml dsv4/_kernels.c
+$(STAMP): $(BIN)/python pyproject.toml setup.py dsv4/_kernels.c
 	$(BIN)/python -m pip install -q torch==2.13.0 -e '.[test]'
 	touch $(STAMP)
 

@@ -1,0 +1,20 @@
+"""The native CPU kernels (``dsv4/_kernels.c``, loaded with ctypes by ``dsv4.native``); all other
+metadata is in ``pyproject.toml``.
+
+The extension is optional: an install without a C compiler still succeeds, and the operators
+then run ATen's ops, which compute the same (``dsv4.native.reason`` says why the kernels are
+absent). Products and sums are never fused into FMAs, so the kernels round where ATen rounds."""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "dsv4._kernels",
+            sources=["dsv4/_kernels.c"],
+            libraries=["m"],
+            extra_compile_args=["-O3", "-ffp-contract=off"],
+            optional=True,
+        )
+    ]
+)
