@@ -51,7 +51,7 @@ from dsv4.cache import LayerCache, PagedKVCaches, entry_stride
 from dsv4.compressor import Compressor
 from dsv4.config import CSA, SLIDING, DeepseekV4Config
 from dsv4.indexer import Indexer
-from dsv4.layers import GroupedLinear, RMSNorm, as_dtype, read_rows, rms_normalize
+from dsv4.layers import GroupedLinear, Linear, RMSNorm, as_dtype, read_rows, rms_normalize
 from dsv4.metadata import AttentionMetadata
 from dsv4.paging import EntryPages, Window, request_blocks, sink_rows, write_rows
 from dsv4.parallel import SINGLE, TensorParallel
@@ -134,15 +134,15 @@ class DeepseekV4Attention(nn.Module):
         self.eps = config.rms_norm_eps
         self.scaling = config.head_dim**-0.5
         hidden, heads_dim = config.hidden_size, self.num_heads * config.head_dim
-        self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=False)
+        self.q_a_proj = Linear(hidden, config.q_lora_rank)
         self.q_a_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
-        self.q_b_proj = nn.Linear(config.q_lora_rank, heads_dim, bias=False)
-        self.kv_proj = nn.Linear(hidden, config.head_dim, bias=False)
+        self.q_b_proj = Linear(config.q_lora_rank, heads_dim)
+        self.kv_proj = Linear(hidden, config.head_dim)
         self.kv_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.o_a_proj = GroupedLinear(
             heads_dim // self.o_groups, self.o_groups * config.o_lora_rank, self.o_groups
         )
-        self.o_b_proj = nn.Linear(self.o_groups * config.o_lora_rank, hidden, bias=False)
+        self.o_b_proj = Linear(self.o_groups * config.o_lora_rank, hidden)
         self.sinks = nn.Parameter(torch.zeros(self.num_heads))
         if self.layer_type == SLIDING:
             self.rope = RotaryEmbedding(

@@ -25,10 +25,9 @@ import functools
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from dsv4.layers import as_dtype, rms_norm
+from dsv4.layers import as_dtype, linear, rms_norm
 from dsv4.native import KERNELS
 from dsv4.native_ops import (
     HC_COLLAPSE_INTO,
@@ -132,7 +131,7 @@ class HyperConnection(nn.Module):
         x = as_dtype(streams, torch.float32)
         flat = rms_norm(x.flatten(1), None, self.norm_eps)
         if native_takes(x, self.scale, self.base):  # the weights, then the collapse: two ops
-            logits = F.linear(flat, self.fn)
+            logits = linear(flat, self.fn)
             pre, post = x.new_empty(tokens, n), x.new_empty(tokens, n)
             bordered = x.new_empty(tokens, n + 1, n + 1)
             HC_WEIGHTS_INTO(
@@ -142,7 +141,7 @@ class HyperConnection(nn.Module):
             HC_COLLAPSE_INTO(collapsed, pre, x)
             return post, bordered[:, :n, :n].transpose(1, 2), as_dtype(collapsed, streams.dtype)
         scale = self.scale.index_select(0, self.scale_index)
-        logits = F.linear(flat, self.fn) * scale + self.base
+        logits = linear(flat, self.fn) * scale + self.base
         pre, post, comb_logits = logits.split((n, n, n * n), dim=1)
         pre = torch.sigmoid(pre) + eps
         post = torch.sigmoid(post) * 2
@@ -181,7 +180,7 @@ class HyperHead(nn.Module):
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         x = as_dtype(streams, torch.float32)
         flat = rms_norm(x.flatten(1), None, self.norm_eps)
-        logits = F.linear(flat, self.hc_fn) * self.hc_scale + self.hc_base
+        logits = linear(flat, self.hc_fn) * self.hc_scale + self.hc_base
         pre = torch.sigmoid(logits) + self.eps
         if native_takes(x, pre):
             collapsed = x.new_empty(x.shape[0], x.shape[-1])

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsv4.layers import as_dtype
+from dsv4.layers import Linear, as_dtype
 from dsv4.pooling import WindowPooler
 from dsv4.rope import RotaryEmbedding, RotaryTables
 from dsv4.selection import stable_topk
@@ -37,7 +37,7 @@ class IndexerScorer(nn.Module):
 
     def __init__(self, hidden_size: int, num_heads: int) -> None:
         super().__init__()
-        self.weights_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        self.weights_proj = Linear(hidden_size, num_heads)
 
 
 class Indexer(WindowPooler):
@@ -57,7 +57,7 @@ class Indexer(WindowPooler):
         super().__init__(hidden_size, head_dim, rate, overlap=True, eps=eps)
         self.num_heads = num_heads
         self.topk = topk
-        self.q_b_proj = nn.Linear(q_lora_rank, num_heads * head_dim, bias=False)
+        self.q_b_proj = Linear(q_lora_rank, num_heads * head_dim)
         self.scorer = IndexerScorer(hidden_size, num_heads)
 
     def queries(

@@ -42,7 +42,7 @@ from dsv4.attention import DeepseekV4Attention
 from dsv4.config import DeepseekV4Config
 from dsv4.dtypes import KEEP_IN_FP32_MODULES, keeps_float32, parameter_dtype
 from dsv4.hyper import HyperConnection, HyperHead, mix
-from dsv4.layers import RMSNorm, read_rows
+from dsv4.layers import Linear, RMSNorm, read_rows
 from dsv4.materialize import materialize_parameters_, parameters_on_meta
 from dsv4.moe import MoE
 from dsv4.parallel import SINGLE, TensorParallel, check_parallel_size
@@ -164,7 +164,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     def _build(self, config: DeepseekV4Config) -> None:
         self.model = DeepseekV4Model(config, self.parallel)
         vocab = len(self.parallel.share(config.vocab_size))
-        self.lm_head = nn.Linear(config.hidden_size, vocab, bias=False)
+        self.lm_head = Linear(config.hidden_size, vocab)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -32,7 +32,7 @@ from torch import nn
 from dsv4.config import DeepseekV4Config
 from dsv4.expert_kernels import swiglu
 from dsv4.experts import DENSE_CHUNK_BYTES, ExpertFormulations, Experts
-from dsv4.layers import as_dtype, read_rows
+from dsv4.layers import Linear, as_dtype, linear, read_rows
 from dsv4.parallel import SINGLE, TensorParallel
 from dsv4.selection import stable_topk
 
@@ -50,9 +50,9 @@ class SharedExpert(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, limit: float) -> None:
         super().__init__()
         self.limit = limit
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size)
+        self.up_proj = Linear(hidden_size, intermediate_size)
+        self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
@@ -82,7 +82,7 @@ class Router(nn.Module):
         self, x: torch.Tensor, input_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Chosen experts ``[T, k]`` and their weights ``[T, k]``."""
-        logits = F.linear(x, self.weight)
+        logits = linear(x, self.weight)
         scores = (
             torch.sigmoid(logits) if self.scoring_func == "sigmoid" else F.softplus(logits).sqrt()
         )

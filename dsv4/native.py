@@ -26,6 +26,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "dsv4_hc_mix_f32": [_POINTER] * 4 + [_SIZE] * 3 + [_POINTER] + [_SIZE] * 3,
     "dsv4_swiglu_f32": [_POINTER, _POINTER, _SIZE, _POINTER] + [_SIZE] * 3 + [_FLOAT],
     "dsv4_rope_f32": [_POINTER] * 4 + [_SIZE, _POINTER] + [_SIZE] * 4,
+    "dsv4_linear_f32": [_POINTER] * 3 + [_SIZE] * 3,
 }
 """Each kernel's C parameters (pointers, ``int64_t`` sizes, ``float`` scalars); all return
 ``void``."""

@@ -26,6 +26,7 @@ __all__ = [
     "HC_COLLAPSE_INTO",
     "HC_MIX_INTO",
     "HC_WEIGHTS_INTO",
+    "LINEAR_INTO",
     "RMS_NORM_INTO",
     "ROPE_INTO",
     "SWIGLU_INTO",
@@ -44,6 +45,7 @@ _LIBRARY.define("hc_collapse_into(Tensor(a!) out, Tensor pre, Tensor x) -> ()")
 _LIBRARY.define(
     "hc_mix_into(Tensor(a!) out, Tensor streams, Tensor post, Tensor comb_t, Tensor output) -> ()"
 )
+_LIBRARY.define("linear_into(Tensor(a!) out, Tensor x, Tensor weight) -> ()")
 _LIBRARY.define("swiglu_into(Tensor(a!) out, Tensor gate, Tensor up, float limit) -> ()")
 _LIBRARY.define(
     "rope_into(Tensor(a!) out, Tensor x, Tensor cos, Tensor sin, Tensor swap, bool inverse) -> ()"
@@ -157,6 +159,21 @@ def _bind_hc_mix(
     )
 
 
+def _bind_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> Step:
+    assert KERNELS is not None
+    out_features, in_features = weight.shape
+    return bound_call(
+        KERNELS.dsv4_linear_f32,
+        (out, x, weight),
+        out.data_ptr(),
+        x.data_ptr(),
+        weight.data_ptr(),
+        x.numel() // in_features,
+        out_features,
+        in_features,
+    )
+
+
 def _bind_swiglu(out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, limit: float) -> Step:
     assert KERNELS is not None
     width = out.shape[-1]
@@ -214,6 +231,7 @@ _BINDERS: dict[str, Binder] = {
     "hc_weights_into": _bind_hc_weights,
     "hc_collapse_into": _bind_hc_collapse,
     "hc_mix_into": _bind_hc_mix,
+    "linear_into": _bind_linear,
     "swiglu_into": _bind_swiglu,
     "rope_into": _bind_rope,
 }
@@ -226,4 +244,5 @@ HC_WEIGHTS_INTO = torch.ops.dsv4.hc_weights_into.default
 HC_COLLAPSE_INTO = torch.ops.dsv4.hc_collapse_into.default
 HC_MIX_INTO = torch.ops.dsv4.hc_mix_into.default
 SWIGLU_INTO = torch.ops.dsv4.swiglu_into.default
+LINEAR_INTO = torch.ops.dsv4.linear_into.default
 ROPE_INTO = torch.ops.dsv4.rope_into.default

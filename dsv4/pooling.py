@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from dsv4.cache import CompressorCache
-from dsv4.layers import RMSNorm, as_dtype, read_rows
+from dsv4.layers import Linear, RMSNorm, as_dtype, read_rows
 from dsv4.metadata import AttentionMetadata
 from dsv4.paging import EntryPages, Window, write_rows
 from dsv4.rope import RotaryEmbedding, RotaryTables
@@ -109,8 +109,8 @@ class WindowPooler(nn.Module):
         self.rate = rate
         self.overlap = overlap
         self.span = 2 * rate if overlap else rate
-        self.kv_proj = nn.Linear(hidden_size, width, bias=False)
-        self.gate_proj = nn.Linear(hidden_size, width, bias=False)
+        self.kv_proj = Linear(hidden_size, width)
+        self.gate_proj = Linear(hidden_size, width)
         self.position_bias = nn.Parameter(torch.zeros(rate, width))
         self.kv_norm = RMSNorm(dim, eps)
         # which half (a = 0, b = 1) each of the 2m overlapping window slots pools

@@ -41,8 +41,10 @@ def test_the_native_mixing_weights_collapse_and_mix_equal_atens(
         native = hc(streams)
         mixed = mix(streams, native[0], native[1], output)
     reference = [t.detach() for t in hc(streams)]  # autograd records: ATen's ops
+    # up to 4 tokens the mixing logits come from the native product, which sums in another
+    # order than MKL's; the softmax and the Sinkhorn rounds carry that difference along
     for got, want in zip(native, reference, strict=True):
-        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     # the mix, against the exact sum of its float32 terms: within the error bound of a sum of
     # n + 1 products in float32, (n + 2) units of 2**-24 of the sum of their magnitudes
     post, comb_t = native[0].double(), native[1].double()
@@ -55,7 +57,7 @@ def test_the_native_mixing_weights_collapse_and_mix_equal_atens(
     assert bool(((aten.double() - (spread_term + carried)).abs() <= bound).all())
 
 
-def test_a_hyper_connection_is_four_kernels_and_the_mix_one() -> None:
+def test_a_hyper_connection_is_four_native_ops_and_the_mix_one() -> None:
     hc, streams, output = _hyper(4, 32, 20, 0.5, 0), torch.randn(2, 4, 32), torch.randn(2, 32)
     counter, mixing = OpCounter(), OpCounter()
     with torch.inference_mode():
@@ -64,7 +66,13 @@ def test_a_hyper_connection_is_four_kernels_and_the_mix_one() -> None:
         with mixing:
             mix(streams, post, comb_t, output)
     kernels = {k: v for k, v in counter.by_name.items() if k not in _VIEWS_AND_EMPTY}
-    assert kernels == {"rms_norm_into": 1, "mm": 1, "hc_weights_into": 1, "hc_collapse_into": 1}
+    # the mixing logits' product of 2 rows is the native skinny one (dsv4.layers.linear)
+    assert kernels == {
+        "rms_norm_into": 1,
+        "linear_into": 1,
+        "hc_weights_into": 1,
+        "hc_collapse_into": 1,
+    }
     assert {k: v for k, v in mixing.by_name.items() if k not in _VIEWS_AND_EMPTY} == {
         "hc_mix_into": 1
     }

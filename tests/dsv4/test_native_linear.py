@@ -1,0 +1,60 @@
+"""``dsv4.layers.linear``: up to ``SKINNY_ROWS`` float32 rows on one CPU thread take the native
+product (one op; each row's result independent of the rows beside it, so padding a batch never
+changes a real row); more rows, more threads or autograd take ATen's."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dsv4.layers import SKINNY_ROWS, linear
+from graphs.op_count import OpCounter
+
+
+@given(
+    rows=st.integers(1, SKINNY_ROWS),
+    leading=st.booleans(),
+    in_features=st.integers(1, 300),
+    out_features=st.integers(1, 40),
+    spread=st.sampled_from([1e-3, 1.0, 1e3]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_native_product_is_within_a_float32_sums_bound_and_rows_are_independent(
+    rows: int, leading: bool, in_features: int, out_features: int, spread: float, seed: int
+) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=generator) * spread
+    weight = torch.randn(out_features, in_features, generator=generator)
+    shaped = x.view(1, rows, in_features) if leading else x
+    with torch.inference_mode():
+        got = linear(shaped, weight).view(rows, out_features)
+        alone = [linear(x[m : m + 1], weight) for m in range(rows)]
+    exact = x.double() @ weight.double().T
+    magnitude = x.double().abs() @ weight.double().abs().T
+    # the error bound of a float32 sum of in_features products, in any order
+    assert bool(((got.double() - exact).abs() <= in_features * 2**-24 * magnitude).all())
+    assert all(torch.equal(got[m : m + 1], row) for m, row in enumerate(alone))
+    torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-4, atol=1e-4 * spread)
+
+
+def test_only_skinny_single_thread_products_are_native() -> None:
+    weight = torch.randn(8, 32)
+
+    def ops(x: torch.Tensor) -> dict[str, int]:
+        counter = OpCounter()
+        with torch.inference_mode(), counter:
+            linear(x, weight)
+        return dict(counter.by_name)
+
+    assert ops(torch.randn(SKINNY_ROWS, 32))["linear_into"] == 1
+    assert "linear_into" not in ops(torch.randn(SKINNY_ROWS + 1, 32))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert "linear_into" not in ops(torch.randn(1, 32))
+    finally:
+        torch.set_num_threads(previous)
+    weight = weight.double()
+    assert "linear_into" not in ops(torch.randn(1, 32, dtype=torch.float64))
