@@ -16,6 +16,10 @@ positions ``p`` (one per request, each attending its own request's cache):
   a CSA layer's indexer scores the indexer keys of all of them and attends the
   ``min(index_topk, visible)`` it selects, an HCA layer attends all of them).
 
+The step's weight products (``multiply_adds``: every token times every weight element it reads
+whole, and each (token, chosen expert) pair times the expert's elements) give its compute
+floor; attention's products with the KV are not counted, so that floor is a lower bound too.
+
 Not counted: activations (they stay in cache), constants derived from the config (rotary rows,
 index tables: a kernel computes them in registers), the compressors' pooling state (read once
 per ``rate`` tokens, when a window completes) and the writes.
@@ -51,6 +55,8 @@ class StepReads:
     kv: int
     distinct_experts: tuple[int, ...]
     """Routed experts chosen per MoE layer (this rank's, with expert parallelism)."""
+    multiply_adds: int = 0
+    """The weight products' multiply-adds (the module docstring)."""
 
     @property
     def total(self) -> int:
@@ -64,6 +70,7 @@ class StepReads:
             "kv": self.kv,
             "total": self.total,
             "distinct_experts": list(self.distinct_experts),
+            "multiply_adds": self.multiply_adds,
         }
 
 
@@ -111,7 +118,7 @@ def decode_reads(
     distinct_tokens = len(set(token_ids))
     state = model.state_dict(keep_vars=True)
     whole_storages: set[int] = set()
-    weights = rows = 0
+    weights = rows = elements = 0
     row_tables: list[torch.Tensor] = []
     seen: set[tuple[int, int]] = set()
     for name, tensor in state.items():
@@ -126,21 +133,29 @@ def decode_reads(
         if (key, tensor.storage_offset()) not in seen:
             seen.add((key, tensor.storage_offset()))
             weights += _nbytes(tensor)
+            elements += tensor.numel()
     for table in row_tables:
         if table.untyped_storage().data_ptr() not in whole_storages:
             rows += distinct_tokens * _nbytes(table[0])
-    experts, distinct = 0, []
+    experts, distinct, multiply_adds = 0, [], elements * len(token_ids)
     for moe, chosen in zip(moes, routes, strict=True):
         local = moe.local_experts
-        picked = {int(e) for e in chosen[: len(token_ids)].reshape(-1).tolist() if e in local}
-        stack = moe.experts
-        per_expert = sum(_nbytes(t) for t in stack.state_dict(keep_vars=True).values())
+        slots = [int(e) for e in chosen[: len(token_ids)].reshape(-1).tolist() if e in local]
+        picked = set(slots)
+        stack = moe.experts.state_dict(keep_vars=True).values()
+        per_expert = sum(_nbytes(t) for t in stack)
         experts += len(picked) * per_expert // len(local)
+        multiply_adds += len(slots) * sum(t.numel() for t in stack) // len(local)
         distinct.append(len(picked))
     itemsize = torch.empty((), dtype=model.compute_dtype).element_size()
     kv = sum(_layer_kv(layer, positions, itemsize) for layer in _attention_layers(model))
     return StepReads(
-        weights=weights, experts=experts, rows=rows, kv=kv, distinct_experts=tuple(distinct)
+        weights=weights,
+        experts=experts,
+        rows=rows,
+        kv=kv,
+        distinct_experts=tuple(distinct),
+        multiply_adds=multiply_adds,
     )
 
 

@@ -160,11 +160,12 @@ def _mib(nbytes: int | None) -> str:
 def _render_limit(limit: dict[str, Any]) -> list[str]:
     """The floor under each step, and each configuration's step as a multiple of it."""
     lines = [
-        "the floor (memory: bytes a step must read / read bandwidth; dispatch: ops x an empty op):"
+        "the floor (memory: bytes a step must read / read bandwidth; compute: its weight "
+        "products / a large product's rate; dispatch: ops x an empty op):"
     ]
     lines += [
-        f"  {m['threads']} thread(s): read {m['read_bandwidth_gb_s']:.1f} GB/s, empty op "
-        f"{m['empty_op_us']:.2f} us"
+        f"  {m['threads']} thread(s): read {m['read_bandwidth_gb_s']:.1f} GB/s, "
+        f"{m['gflops']:.1f} GFLOP/s, empty op {m['empty_op_us']:.2f} us"
         for m in limit["machine"]
     ]
     steps = {s["batch_size"]: s for s in limit["steps"]}
@@ -174,7 +175,8 @@ def _render_limit(limit: dict[str, Any]) -> list[str]:
         lines.append(
             f"  threads {row['threads']}, batch {row['batch_size']}: {read['total'] / 1e6:.2f} MB "
             f"({read['experts'] / 1e6:.2f} MB of {sum(read['distinct_experts'])} routed experts, "
-            f"{read['kv'] / 1e3:.1f} kB of KV), memory floor {row['memory_floor_us']:.0f} us"
+            f"{read['kv'] / 1e3:.1f} kB of KV), memory floor {row['memory_floor_us']:.0f} us, "
+            f"compute floor {row['compute_floor_us']:.0f} us"
         )
         for name, multiple in row["x_floor"].items():
             lines.append(

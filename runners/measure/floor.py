@@ -1,17 +1,21 @@
 """The floor under a decode step, measured in the benchmark's own run (``dsv4 bench``'s ``limit``).
 
-A step can be no faster than the larger of two floors (DESIGN §12):
+A step can be no faster than the largest of three floors (DESIGN §12):
 - **memory floor** = bytes the step must read (``dsv4.traffic.decode_reads``: the weights its
   tokens touch given the routing it actually took, plus the KV it attends) / the streaming read
   bandwidth measured here: the seconds to sum a float32 tensor of ``READ_BYTES`` (far larger than
   any CPU's last-level cache), median of ``SAMPLES``;
+- **compute floor** = 2 x the multiply-adds of the step's weight products
+  (``StepReads.multiply_adds``) / the float32 multiply-add rate measured here: a
+  ``GEMM_SIZE``-square matrix product (the rate a well-blocked product reaches), median of
+  ``GEMM_SAMPLES``;
 - **dispatch floor** = the ops one step issues (``graphs.op_count.OpCounter`` around one
   ``execute`` of the configuration: the runner's host-side ops too) x the cost of an empty op:
   ``torch.add`` of one-element tensors into one of them, from Python, in inference mode as
   steps run, ``EMPTY_OP_CALLS`` calls timed together, median of ``SAMPLES``.
 Both machine figures are measured per thread count, in the same process as the timed steps,
 each interval until the device finished it (``timed``). A configuration's step is then reported
-as a multiple of ``max(memory floor, its dispatch floor)`` and of the memory floor alone.
+as a multiple of the largest floor and of the memory floor alone.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from runners.measure.benchmark import (
 
 __all__ = [
     "EMPTY_OP_CALLS",
+    "GEMM_SAMPLES",
+    "GEMM_SIZE",
     "METHOD",
     "READ_BYTES",
     "SAMPLES",
@@ -45,6 +51,7 @@ __all__ = [
     "empty_op_seconds",
     "floor_rows",
     "machine",
+    "multiply_add_rate",
     "read_bandwidth",
     "step_shapes",
 ]
@@ -54,13 +61,16 @@ METHOD = (
     "distinct experts once, plus the KV it attends) / streaming read bandwidth (a sum over a "
     "256 MiB float32 tensor, median of 15); dispatch floor = ATen ops one step issues (counted "
     "around one execute) x the cost of an empty op (a one-element add from Python, median); "
-    "x_floor = median step / max(memory floor, dispatch floor); measured per thread count in "
-    "the same run"
+    "compute floor = 2 x the multiply-adds of the step's weight products / the float32 rate of "
+    "a 1024-square matrix product (median of 5); x_floor = median step / the largest of the "
+    "three floors; measured per thread count in the same run"
 )
 
 READ_BYTES = 256 << 20
 SAMPLES = 15
 EMPTY_OP_CALLS = 2000
+GEMM_SIZE = 1024
+GEMM_SAMPLES = 5
 
 
 @attrs.frozen(kw_only=True)
@@ -70,6 +80,7 @@ class Machine:
     threads: int
     read_bytes_per_s: float
     empty_op_s: float
+    flops_per_s: float
 
 
 @attrs.frozen(kw_only=True)
@@ -107,6 +118,22 @@ def empty_op_seconds(
     return statistics.median(seconds) / calls
 
 
+def multiply_add_rate(
+    device: torch.device, size: int = GEMM_SIZE, samples: int = GEMM_SAMPLES
+) -> float:
+    """Floating-point operations per second (a multiply-add counts two) of a float32
+    ``size``-square matrix product (median)."""
+    a = torch.rand(size, size, device=device)
+    out = torch.empty(size, size, device=device)
+
+    def product() -> None:
+        torch.mm(a, a, out=out)
+
+    product()
+    seconds = [timed(product, device)[1] for _ in range(samples)]
+    return 2 * size**3 / statistics.median(seconds)
+
+
 def machine(device: torch.device, threads: Sequence[int]) -> list[Machine]:
     """Both machine figures at each thread count."""
     found = []
@@ -117,6 +144,7 @@ def machine(device: torch.device, threads: Sequence[int]) -> list[Machine]:
                     threads=count,
                     read_bytes_per_s=read_bandwidth(device),
                     empty_op_s=empty_op_seconds(device),
+                    flops_per_s=multiply_add_rate(device),
                 )
             )
     return found
@@ -160,15 +188,17 @@ def floor_rows(
     for latency in latencies:
         host, shape = by_threads[latency.threads], by_batch[latency.batch_size]
         memory_us = shape.reads.total / host.read_bytes_per_s * 1e6
+        compute_us = 2 * shape.reads.multiply_adds / host.flops_per_s * 1e6
         dispatch_us = {n: ops * host.empty_op_s * 1e6 for n, ops in shape.ops.items()}
         rows.append(
             {
                 "threads": latency.threads,
                 "batch_size": latency.batch_size,
                 "memory_floor_us": round(memory_us, 1),
+                "compute_floor_us": round(compute_us, 1),
                 "dispatch_floor_us": {n: round(us, 1) for n, us in dispatch_us.items()},
                 "x_floor": {
-                    n: round(us / max(memory_us, dispatch_us[n]), 2)
+                    n: round(us / max(memory_us, compute_us, dispatch_us[n]), 2)
                     for n, us in latency.median_us.items()
                 },
                 "x_memory_floor": {

@@ -161,6 +161,7 @@ def _decode(
                 "threads": m.threads,
                 "read_bandwidth_gb_s": round(m.read_bytes_per_s / 1e9, 2),
                 "empty_op_us": round(m.empty_op_s * 1e6, 3),
+                "gflops": round(m.flops_per_s / 1e9, 2),
             }
             for m in machines
         ],

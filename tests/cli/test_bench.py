@@ -34,13 +34,17 @@ def _assert_measured(payload: dict) -> None:
     [machine] = limit["machine"]
     assert machine["threads"] == 1
     assert machine["read_bandwidth_gb_s"] > 0 and machine["empty_op_us"] > 0
+    assert machine["gflops"] > 0
     [step] = limit["steps"]
     assert step["bytes"]["total"] > step["bytes"]["weights"] > 0
     assert set(step["ops"]) == set(row["median_us"])
     [floor] = limit["rows"]
     assert set(floor["x_floor"]) == set(row["median_us"])
-    for name, us in row["median_us"].items():  # each multiple is of the larger floor
-        larger = max(floor["memory_floor_us"], floor["dispatch_floor_us"][name])
+    assert floor["compute_floor_us"] > 0
+    for name, us in row["median_us"].items():  # each multiple is of the largest floor
+        larger = max(
+            floor["memory_floor_us"], floor["compute_floor_us"], floor["dispatch_floor_us"][name]
+        )
         assert abs(floor["x_floor"][name] - us / larger) <= 0.01 * us / larger + 0.005
 
 

@@ -64,6 +64,9 @@ def test_decode_reads_equal_the_count_by_hand(model: DeepseekV4ForCausalLM) -> N
     assert reads.rows == 2 * (EMBEDDING_ROW + HASH_ROW)
     assert reads.kv == kv_sliding + kv_csa + kv_hca
     assert reads.total == WEIGHTS + 5 * EXPERT + 2 * (EMBEDDING_ROW + HASH_ROW) + reads.kv
+    # each token multiplies every weight element it reads whole, and each of the 12 expert
+    # slots (2 per token per layer, a repeated choice twice) its expert's elements
+    assert reads.multiply_adds == 2 * WEIGHTS // F32 + 12 * EXPERT // F32
 
 
 def test_a_repeated_token_reads_its_rows_once(model: DeepseekV4ForCausalLM) -> None:
