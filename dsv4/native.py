@@ -10,6 +10,7 @@ dtype, device and layout before it hands a tensor over.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 from pathlib import Path
 
 __all__ = ["KERNELS", "reason"]
@@ -40,13 +41,12 @@ def _declare(library: ctypes.CDLL) -> None:
 
 
 def _load() -> tuple[ctypes.CDLL | None, str]:
+    spec = importlib.util.find_spec("dsv4._kernels")
+    if spec is None or spec.origin is None:
+        return None, "not built (the install found no C compiler); ATen's ops run instead"
+    name = Path(spec.origin).name
     try:
-        from dsv4 import _kernels  # type: ignore[attr-defined]
-    except ImportError as error:
-        return None, f"not built ({error}); the composites run instead"
-    name = Path(_kernels.__file__).name
-    try:
-        library = ctypes.CDLL(_kernels.__file__)
+        library = ctypes.CDLL(spec.origin)
         _declare(library)
     except (OSError, AttributeError) as error:  # unloadable, or built from an older source
         return None, f"{name} is unusable ({error}); reinstall the project"

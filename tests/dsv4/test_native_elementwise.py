@@ -4,16 +4,20 @@ and ``row_stride``, which decides what the kernels may read."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dsv4 import native
 from dsv4.config import YarnScaling
 from dsv4.expert_kernels import swiglu, swiglu_of
 from dsv4.native_ops import row_stride
 from dsv4.rope import RotaryEmbedding
 from graphs.op_count import OpCounter
+
+pytestmark = pytest.mark.skipif(native.KERNELS is None, reason=native.reason)
 
 
 def _aten_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

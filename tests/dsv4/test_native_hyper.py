@@ -5,12 +5,16 @@ check): drawn widths, stream counts, token counts, rounds and parameter scales."
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dsv4 import native
 from dsv4.hyper import HyperConnection, HyperHead, mix
 from graphs.op_count import OpCounter
+
+pytestmark = pytest.mark.skipif(native.KERNELS is None, reason=native.reason)
 
 
 def _hyper(n: int, hidden: int, iters: int, spread: float, seed: int) -> HyperConnection:

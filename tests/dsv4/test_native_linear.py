@@ -4,13 +4,17 @@ changes a real row); more rows, more threads or autograd take ATen's."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dsv4 import native
 from dsv4.layers import SKINNY_ROWS, linear
 from graphs.op_count import OpCounter
+
+pytestmark = pytest.mark.skipif(native.KERNELS is None, reason=native.reason)
 
 
 @given(

@@ -3,13 +3,17 @@ ATen's ``rms_norm`` but for the last bit of its mean; ATen's wherever autograd r
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dsv4 import native
 from dsv4.layers import rms_norm
 from graphs.op_count import OpCounter
+
+pytestmark = pytest.mark.skipif(native.KERNELS is None, reason=native.reason)
 
 
 @given(

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 
+from dsv4 import native
 from dsv4.expert_kernels import swiglu_of
 from dsv4.hyper import HyperConnection, mix
 from dsv4.layers import rms_norm
 from graphs import BreakableCapture, TapeBackend
 from graphs.tape import TapeSegment
+
+pytestmark = pytest.mark.skipif(native.KERNELS is None, reason=native.reason)
 
 
 def _program(

@@ -3,6 +3,7 @@ its native CPU kernel, bit-equal to the rounds as kernels."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -86,6 +87,7 @@ def test_a_layout_the_native_kernel_does_not_take_runs_the_rounds_as_kernels() -
     torch.testing.assert_close(wide[:, :4, :4].float(), _reference(probs, 7))
 
 
+@pytest.mark.skipif(native.KERNELS is None, reason=native.reason)
 def test_the_op_counter_counts_what_the_operator_runs_on_the_device() -> None:
     single, ones = _bordered(torch.full((1, 4, 4), 0.25)), torch.ones(1, 1, 5)
     wide = single.double()
