@@ -22,7 +22,6 @@ round where the reference rounds.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -36,7 +35,7 @@ from dsv4.native_ops import (
     bound_call,
     native_takes,
 )
-from graphs.bound_kernels import register_binder
+from graphs.bound_kernels import BoundCall, register_binder
 
 __all__ = ["HyperConnection", "HyperHead", "mix", "sinkhorn_"]
 
@@ -62,7 +61,7 @@ def _sinkhorn_rounds(
         comb.div_(torch.bmm(ones, columns, out=sums))
 
 
-def _bind_sinkhorn(bordered: torch.Tensor, ones: torch.Tensor, iters: int) -> Callable[[], object]:
+def _bind_sinkhorn(bordered: torch.Tensor, ones: torch.Tensor, iters: int) -> BoundCall:
     """The CPU kernel, bound (``graphs.bound_kernels``): one native call for a contiguous
     float32 ``bordered`` (every model's, as the mixing weights are fp32), bit-equal to the rounds
     as kernels, which run for anything else or where the native kernels were not built."""

@@ -18,9 +18,7 @@ from typing import Any
 import torch
 
 from dsv4.native import KERNELS
-from graphs.bound_kernels import Binder, register_binder
-
-Step = Callable[[], object]
+from graphs.bound_kernels import Binder, BoundCall, register_binder
 
 __all__ = [
     "HC_COLLAPSE_INTO",
@@ -85,7 +83,7 @@ def row_stride(t: torch.Tensor, rows: int) -> int | None:
     return step if step >= t.shape[-1] and expected == step * rows else None
 
 
-def bound_call(kernel: Any, tensors: tuple[torch.Tensor | None, ...], *arguments: Any) -> Step:
+def bound_call(kernel: Any, tensors: tuple[torch.Tensor | None, ...], *arguments: Any) -> BoundCall:
     """``kernel(*arguments)`` as a zero-argument call holding ``tensors`` (whose addresses are
     among ``arguments``), so their memory lives as long as the call."""
     call = functools.partial(kernel, *arguments)
@@ -99,7 +97,7 @@ def _address(t: torch.Tensor | None) -> int | None:
 
 def _bind_rms_norm(
     out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, eps: float
-) -> Step:
+) -> BoundCall:
     assert KERNELS is not None
     width = x.shape[-1]
     return bound_call(
@@ -123,7 +121,7 @@ def _bind_hc_weights(
     base: torch.Tensor,
     eps: float,
     iters: int,
-) -> Step:
+) -> BoundCall:
     assert KERNELS is not None
     tensors = (pre, post, bordered, logits, scale, base)
     tokens, n = pre.shape
@@ -131,7 +129,7 @@ def _bind_hc_weights(
     return bound_call(KERNELS.dsv4_hc_weights_f32, tensors, *addresses, tokens, n, eps, iters)
 
 
-def _bind_hc_collapse(out: torch.Tensor, pre: torch.Tensor, x: torch.Tensor) -> Step:
+def _bind_hc_collapse(out: torch.Tensor, pre: torch.Tensor, x: torch.Tensor) -> BoundCall:
     assert KERNELS is not None
     tokens, n, hidden = x.shape
     addresses = [t.data_ptr() for t in (out, pre, x)]
@@ -144,7 +142,7 @@ def _bind_hc_mix(
     post: torch.Tensor,
     comb_t: torch.Tensor,
     output: torch.Tensor,
-) -> Step:
+) -> BoundCall:
     assert KERNELS is not None
     tokens, n, hidden = streams.shape
     return bound_call(
@@ -159,7 +157,7 @@ def _bind_hc_mix(
     )
 
 
-def _bind_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> Step:
+def _bind_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> BoundCall:
     assert KERNELS is not None
     out_features, in_features = weight.shape
     return bound_call(
@@ -174,7 +172,9 @@ def _bind_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> St
     )
 
 
-def _bind_swiglu(out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, limit: float) -> Step:
+def _bind_swiglu(
+    out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, limit: float
+) -> BoundCall:
     assert KERNELS is not None
     width = out.shape[-1]
     rows = out.numel() // width
@@ -201,7 +201,7 @@ def _bind_rope(
     sin: torch.Tensor,
     swap: torch.Tensor,
     inverse: bool,
-) -> Step:
+) -> BoundCall:
     assert KERNELS is not None
     tokens, width = x.shape[0], x.shape[-1]
     return bound_call(

@@ -17,9 +17,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["Binder", "binder_of", "register_binder"]
+__all__ = ["Binder", "BoundCall", "binder_of", "register_binder"]
 
-Binder = Callable[..., Callable[[], object]]
+BoundCall = Callable[[], object]
+"""A kernel call with its arguments fixed: what a binder returns and the tape replays."""
+Binder = Callable[..., BoundCall]
 _BINDERS: dict[torch._ops.OpOverload, Binder] = {}
 
 
