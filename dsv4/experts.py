@@ -1,17 +1,20 @@
-"""Routed SwiGLU experts over stacked weights, in four static formulations.
+"""Routed SwiGLU experts over stacked weights, in five static formulations.
 
 Every formulation computes, for each token and each of its ``k`` chosen experts, the clamped
-SwiGLU expert's output ``[T, k, hidden]``; ``forward`` weights and sums them over the ``k``
-slots the same way whatever the formulation. Which one runs is a host-constant decision from the
-device, the dtype and the shapes (frozen per captured size), with no data-dependent shape and
-no host sync in any of them, so the MoE captures on the CPU tape and in CUDA graphs.
+SwiGLU expert's output ``[T, k, hidden]``, which ``forward`` weights and sums over the ``k``
+slots the same way whatever the formulation; the native one gives that weighted sum directly.
+Which one runs is a host-constant decision from the device, the dtype, the thread count and the
+shapes (frozen per captured size), with no data-dependent shape and no host sync in any of
+them, so the MoE captures on the CPU tape and in CUDA graphs.
 
 On a CPU, for float32, bfloat16 and float16 stacks that fit ``dense_chunk_bytes`` whole (a
 weight-only stack is dequantized into one, ``_resident_stacks``), the chosen experts' weights
-are read in place (``dsv4.expert_kernels``): **bagged** (``embedding_bag``, each slot reading
-its expert) while a step has at most ``BAG_SLOTS_PER_EXPERT`` slots per expert, **grouped**
-(``torch._grouped_mm``, each chosen expert read once) above, where its row widths allow. On a
-GPU ``_grouped_mm`` reads its group offsets on the host outside bfloat16 on recent
+are read in place (``dsv4.expert_kernels``): **routed** (one native operator for the whole
+weighted sum, each chosen expert read once per block of four of its rows) for float32 steps of
+at most ``ROUTED_TOKENS`` tokens on one thread, else **bagged** (``embedding_bag``, each slot
+reading its expert) while a step has at most ``BAG_SLOTS_PER_EXPERT`` slots per expert,
+**grouped** (``torch._grouped_mm``, each chosen expert read once) above, where its row widths
+allow. On a GPU ``_grouped_mm`` reads its group offsets on the host outside bfloat16 on recent
 architectures, which no graph can capture, so elsewhere, as before:
 - **every expert** (``E <= 2 * T * k``): every expert runs on every token, a bounded chunk of
   experts at a time (``DENSE_CHUNK_BYTES``), and the chosen outputs are gathered;
@@ -27,7 +30,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsv4.expert_kernels import bagged, grouped, grouped_fits, swiglu, swiglu_of
+from dsv4.expert_kernels import (
+    bagged,
+    grouped,
+    grouped_fits,
+    routed,
+    routed_takes,
+    swiglu,
+    swiglu_of,
+)
 from dsv4.layers import as_dtype, read_rows
 
 __all__ = [
@@ -105,15 +116,28 @@ class ExpertFormulations(nn.Module):
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """``x [T, hidden]``, chosen ``experts [T, k]`` and their ``weights`` -> ``[T, hidden]``."""
-        out = self._slot_outputs(x, experts)
+        if self._in_place(x):
+            stacks = self._resident_stacks(experts.reshape(-1))
+            if routed_takes(x, experts, *stacks):
+                return routed(x, experts, weights, *stacks, self.limit)
+            out = self._slot_outputs(x, experts, stacks)
+        else:
+            out = self._slot_outputs(x, experts)
         return (out * as_dtype(weights, out.dtype).unsqueeze(-1)).sum(dim=1)
 
-    def _slot_outputs(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Each slot's output ``[T, k, hidden]``, by the formulation the shapes choose."""
+    def _slot_outputs(
+        self,
+        x: torch.Tensor,
+        experts: torch.Tensor,
+        stacks: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Each slot's output ``[T, k, hidden]``, by the formulation the shapes choose
+        (``stacks``: the resident stacks where the caller already has them)."""
         num_experts = self._stack_shape()[0]
         slots = experts.numel()
         if self._in_place(x):
-            stacks = self._resident_stacks(experts.reshape(-1))
+            if stacks is None:
+                stacks = self._resident_stacks(experts.reshape(-1))
             if slots <= BAG_SLOTS_PER_EXPERT * num_experts or not grouped_fits(x, stacks[0]):
                 return bagged(x, experts, *stacks, self.limit)
             return grouped(x, experts, *stacks, self.limit)

@@ -28,16 +28,19 @@ _SIGNATURES: dict[str, list[type]] = {
     "dsv4_swiglu_f32": [_POINTER, _POINTER, _SIZE, _POINTER] + [_SIZE] * 3 + [_FLOAT],
     "dsv4_rope_f32": [_POINTER] * 4 + [_SIZE, _POINTER] + [_SIZE] * 4,
     "dsv4_linear_f32": [_POINTER] * 3 + [_SIZE] * 3,
+    "dsv4_routed_experts_f32": [_POINTER] * 6 + [_SIZE] * 5 + [_FLOAT],
 }
-"""Each kernel's C parameters (pointers, ``int64_t`` sizes, ``float`` scalars); all return
-``void``."""
+"""Each kernel's C parameters (pointers, ``int64_t`` sizes, ``float`` scalars)."""
+
+_RETURNS: dict[str, type] = {"dsv4_routed_experts_f32": _SIZE}
+"""Kernels that return a status (0, or negative where it did nothing); the others ``void``."""
 
 
 def _declare(library: ctypes.CDLL) -> None:
     for name, parameters in _SIGNATURES.items():
         kernel = getattr(library, name)
         kernel.argtypes = parameters
-        kernel.restype = None
+        kernel.restype = _RETURNS.get(name)
 
 
 def _load() -> tuple[ctypes.CDLL | None, str]:

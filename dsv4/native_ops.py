@@ -27,6 +27,7 @@ __all__ = [
     "LINEAR_INTO",
     "RMS_NORM_INTO",
     "ROPE_INTO",
+    "ROUTED_EXPERTS_INTO",
     "SWIGLU_INTO",
     "bound_call",
     "native_takes",
@@ -44,6 +45,10 @@ _LIBRARY.define(
     "hc_mix_into(Tensor(a!) out, Tensor streams, Tensor post, Tensor comb_t, Tensor output) -> ()"
 )
 _LIBRARY.define("linear_into(Tensor(a!) out, Tensor x, Tensor weight) -> ()")
+_LIBRARY.define(
+    "routed_experts_into(Tensor(a!) out, Tensor x, Tensor experts, Tensor weights, "
+    "Tensor gate_up, Tensor down, float limit) -> ()"
+)
 _LIBRARY.define("swiglu_into(Tensor(a!) out, Tensor gate, Tensor up, float limit) -> ()")
 _LIBRARY.define(
     "rope_into(Tensor(a!) out, Tensor x, Tensor cos, Tensor sin, Tensor swap, bool inverse) -> ()"
@@ -217,11 +222,47 @@ def _bind_rope(
     )
 
 
-def _run_bound(bind: Binder) -> Callable[..., None]:
-    """The CPU kernel of an operator whose binder is ``bind``: bind, then call."""
+def _bind_routed_experts(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    limit: float,
+) -> BoundCall:
+    assert KERNELS is not None
+    tokens, k = experts.shape
+    num_experts, double_inter, hidden = gate_up.shape
+    tensors = (out, x, experts, weights, gate_up, down)
+    return bound_call(
+        KERNELS.dsv4_routed_experts_f32,
+        tensors,
+        *(t.data_ptr() for t in tensors),
+        tokens,
+        k,
+        num_experts,
+        hidden,
+        double_inter // 2,
+        limit,
+    )
+
+
+_FAILURES: dict[int, str] = {
+    -1: "out of memory for its scratch rows",
+    -2: "an expert index outside the stacks",
+}
+"""What a kernel's negative status means (``dsv4/_kernels.c``)."""
+
+
+def _run_bound(name: str, bind: Binder) -> Callable[..., None]:
+    """The CPU kernel of operator ``name`` whose binder is ``bind``: bind, then call; a kernel's
+    failure status raises here (a replay, like a CUDA graph's launch, does not look)."""
 
     def kernel(*args: Any) -> None:
-        bind(*args)()
+        status: int | None = bind(*args)()
+        if status:
+            raise RuntimeError(f"dsv4::{name} failed: {_FAILURES.get(status, status)}")
 
     return kernel
 
@@ -234,9 +275,10 @@ _BINDERS: dict[str, Binder] = {
     "linear_into": _bind_linear,
     "swiglu_into": _bind_swiglu,
     "rope_into": _bind_rope,
+    "routed_experts_into": _bind_routed_experts,
 }
 for _name, _bind in _BINDERS.items():
-    _LIBRARY.impl(_name, _run_bound(_bind), "CPU")
+    _LIBRARY.impl(_name, _run_bound(_name, _bind), "CPU")
     register_binder(getattr(torch.ops.dsv4, _name).default, _bind)
 
 RMS_NORM_INTO = torch.ops.dsv4.rms_norm_into.default
@@ -246,3 +288,4 @@ HC_MIX_INTO = torch.ops.dsv4.hc_mix_into.default
 SWIGLU_INTO = torch.ops.dsv4.swiglu_into.default
 LINEAR_INTO = torch.ops.dsv4.linear_into.default
 ROPE_INTO = torch.ops.dsv4.rope_into.default
+ROUTED_EXPERTS_INTO = torch.ops.dsv4.routed_experts_into.default

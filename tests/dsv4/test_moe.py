@@ -1,11 +1,12 @@
 """The MoE's static formulations compute the same function; the router's top-k gives equal
 scores to the lower expert index, alone or batched.
 
-``Experts`` reads the chosen experts in place on a CPU (bagged with few slots per expert,
-grouped above), else runs every expert and gathers the chosen outputs when ``E <= 2 * T * k``,
-else runs each token on its gathered expert weights. Property: over random shapes, routings and
-weights every formulation equals a per-token loop over the chosen experts written straight from
-the definition, and the module runs the one its rule picks.
+``Experts`` reads the chosen experts in place on a CPU (the native routed operator for float32 on
+one thread, bagged with few slots per expert, grouped above), else runs every expert and gathers
+the chosen outputs when ``E <= 2 * T * k``, else runs each token on its gathered expert weights.
+Property: over random shapes, routings and weights every formulation equals a per-token loop
+over the chosen experts written straight from the definition, and the module runs the one its
+rule picks.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dsv4.config import DeepseekV4Config
-from dsv4.expert_kernels import bagged, grouped, grouped_fits
+from dsv4.expert_kernels import bagged, grouped, grouped_fits, routed, routed_takes
 from dsv4.experts import BAG_SLOTS_PER_EXPERT
 from dsv4.moe import Experts, Router
 
@@ -70,11 +71,16 @@ def test_every_formulation_equals_the_definition(
         if grouped_fits(x, module.gate_up_proj):
             slots["grouped"] = grouped(x, experts, *stacks, module.limit)
         chosen = module(x, experts, weights)
+        native = routed_takes(x, experts, *stacks)
+        if native:
+            routed_sum = routed(x, experts, weights, *stacks, module.limit)
     combined = {n: (out * weights.unsqueeze(-1)).sum(dim=1) for n, out in slots.items()}
+    if native:
+        combined["routed"] = routed_sum
     for result in combined.values():
         torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-5)
     bag = tokens * k <= BAG_SLOTS_PER_EXPERT * num_experts or "grouped" not in slots
-    assert torch.equal(chosen, combined["bagged" if bag else "grouped"])
+    assert torch.equal(chosen, combined["routed" if native else "bagged" if bag else "grouped"])
 
 
 def test_off_the_cpu_formulations_follow_the_slots_per_expert() -> None:

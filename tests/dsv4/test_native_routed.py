@@ -1,0 +1,135 @@
+"""``dsv4::routed_experts_into``: the routed experts' weighted sum in one native operator.
+
+Each token's output is its slots' expert outputs, weighted and added, within a float32 sum's
+error bound of the float64 definition; it depends on that token's routing only (alone or among
+any other tokens, the same bits, whichever order the kernel multiplied its rows in); the tape
+replays it bound to its addresses like eager; and an expert index outside the stacks is an
+error that writes nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dsv4 import native
+from dsv4.expert_kernels import ROUTED_TOKENS, routed, routed_takes
+from dsv4.experts import Experts
+from dsv4.native_ops import ROUTED_EXPERTS_INTO
+from graphs import BreakableCapture, TapeBackend
+
+pytestmark = pytest.mark.skipif(native.KERNELS is None, reason=native.reason)
+
+LIMIT = 1.5
+
+
+def _experts(num_experts: int, hidden: int, inter: int, seed: int) -> Experts:
+    module = Experts(num_experts, hidden, inter, limit=LIMIT)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) / hidden**0.5)
+    return module
+
+
+def _definition(
+    module: Experts, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weighted sum in float64, and the same sum over the terms' magnitudes (for a bound)."""
+    gate_up, down = module.gate_up_proj.double(), module.down_proj.double()
+    exact = torch.zeros(x.shape, dtype=torch.float64)
+    magnitude = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for slot in range(experts.shape[1]):
+            e = int(experts[t, slot])
+            gate, up = (gate_up[e] @ x[t].double()).chunk(2)
+            hidden = F.silu(gate.clamp(max=LIMIT)) * up.clamp(min=-LIMIT, max=LIMIT)
+            exact[t] += weights[t, slot] * (down[e] @ hidden)
+            scale = (gate_up[e].abs() @ x[t].double().abs()).chunk(2)
+            bound = scale[0].clamp(max=4 * LIMIT) * scale[1].clamp(max=LIMIT) + hidden.abs()
+            magnitude[t] += weights[t, slot] * (down[e].abs() @ bound)
+    return exact, magnitude
+
+
+@given(
+    num_experts=st.integers(1, 6),
+    tokens=st.integers(1, 12),
+    hidden=st.sampled_from([8, 32, 45, 64]),  # below, at and past the 32-column vector blocks
+    inter=st.sampled_from([5, 16, 32]),
+    data=st.data(),
+    seed=st.integers(0, 2**16),
+)
+def test_routed_is_within_a_float32_bound_and_each_token_is_its_own(
+    num_experts: int, tokens: int, hidden: int, inter: int, data: st.DataObject, seed: int
+) -> None:
+    k = data.draw(st.integers(1, 4), label="k")  # repeats allowed, as hash routing repeats
+    generator = torch.Generator().manual_seed(seed)
+    module = _experts(num_experts, hidden, inter, seed)
+    x = torch.randn(tokens, hidden, generator=generator)
+    experts = torch.randint(0, num_experts, (tokens, k), generator=generator)
+    weights = torch.rand(tokens, k, generator=generator)
+    stacks = (module.gate_up_proj, module.down_proj)
+    with torch.inference_mode():
+        assert routed_takes(x, experts, *stacks)
+        got = routed(x, experts, weights, *stacks, LIMIT)
+        alone = [
+            routed(x[t : t + 1], experts[t : t + 1], weights[t : t + 1], *stacks, LIMIT)
+            for t in range(tokens)
+        ]
+    exact, magnitude = _definition(module, x, experts, weights)
+    # each product and sum rounds once (FMAs, SwiGLU's exp to a few ulp): a generous float32 bound
+    depth = hidden + inter + k
+    assert bool(((got.double() - exact).abs() <= 4 * depth * 2**-24 * magnitude + 1e-30).all())
+    assert all(torch.equal(got[t : t + 1], row) for t, row in enumerate(alone))
+
+
+def test_the_tape_replays_routed_bound_like_eager() -> None:
+    module = _experts(5, 64, 32, seed=0)
+    generator = torch.Generator().manual_seed(1)
+    x, weights = torch.randn(6, 64, generator=generator), torch.rand(6, 2, generator=generator)
+    experts = torch.randint(0, 5, (6, 2), generator=generator)
+    with torch.inference_mode():
+        with BreakableCapture(TapeBackend()) as capture:
+            out = module(x, experts, weights)
+        for seed in (2, 3):
+            fresh = torch.Generator().manual_seed(seed)
+            x.copy_(torch.randn(6, 64, generator=fresh))
+            experts.copy_(torch.randint(0, 5, (6, 2), generator=fresh))
+            capture.replay()
+            assert torch.equal(out, module(x.clone(), experts.clone(), weights))
+
+
+def test_an_expert_outside_the_stacks_raises_and_writes_nothing() -> None:
+    module = _experts(3, 32, 16, seed=0)
+    x, weights = torch.randn(2, 32), torch.rand(2, 2)
+    out = torch.full((2, 32), 7.0)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="outside the stacks"):
+        ROUTED_EXPERTS_INTO(
+            out,
+            x,
+            torch.tensor([[0, 1], [2, 3]]),
+            weights,
+            module.gate_up_proj,
+            module.down_proj,
+            LIMIT,
+        )
+    assert bool((out == 7.0).all())
+
+
+def test_routed_runs_for_decode_sized_float32_steps_on_one_thread_only() -> None:
+    module = _experts(4, 32, 16, seed=0)
+    stacks = (module.gate_up_proj, module.down_proj)
+    experts = torch.zeros(1, 2, dtype=torch.long)
+    with torch.inference_mode():
+        assert routed_takes(torch.randn(ROUTED_TOKENS, 32), experts, *stacks)
+        assert not routed_takes(torch.randn(ROUTED_TOKENS + 1, 32), experts, *stacks)
+        assert not routed_takes(torch.randn(1, 32).double(), experts, *stacks)
+        previous = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            assert not routed_takes(torch.randn(1, 32), experts, *stacks)
+        finally:
+            torch.set_num_threads(previous)
+    assert not routed_takes(torch.randn(1, 32), experts, *stacks)  # autograd records
