@@ -260,9 +260,9 @@ def _run_bound(name: str, bind: Binder) -> Callable[..., None]:
     failure status raises here (a replay, like a CUDA graph's launch, does not look)."""
 
     def kernel(*args: Any) -> None:
-        status: int | None = bind(*args)()
-        if status:
-            raise RuntimeError(f"dsv4::{name} failed: {_FAILURES.get(status, status)}")
+        status = bind(*args)()
+        if isinstance(status, int) and status != 0:
+            raise RuntimeError(f"dsv4::{name} failed: {_FAILURES.get(status, str(status))}")
 
     return kernel
 
