@@ -197,23 +197,25 @@ void dsv4_rope_f32(float *out, const float *x, const float *cos, const float *si
 #define LANES 16
 
 /* ``out[m, o] = sum over i of x[m, i] * weight[o, i]`` for a few ``rows`` of ``x`` (``rows`` x
- * ``in_features``) and a contiguous ``weight`` (``out_features`` x ``in_features``, as
- * ``nn.Linear`` stores it): every weight row is read once, for up to four rows of ``x`` at a
- * time, so a decode step's products stream their weights near the machine's read bandwidth,
- * where a general matrix product of one row reaches a third of it. Each output is 16 partial
- * sums over the columns (column i into sum i mod 16, in column order), added in order, then the
- * columns past the last multiple of 16: the same order whatever ``rows`` is, so a row's result
- * does not depend on the rows beside it. */
+ * ``in_features``, rows ``x_stride`` values apart) and a contiguous ``weight`` (``out_features`` x
+ * ``in_features``, as ``nn.Linear`` stores it) into ``out`` (rows ``out_stride`` values apart):
+ * every weight row is read once, for up to four rows of ``x`` at a time, so a decode step's
+ * products stream their weights near the machine's read bandwidth, where a general matrix
+ * product of one row reaches a third of it. Each output is 16 partial sums over the columns
+ * (column i into sum i mod 16, in column order), added in order, then the columns past the last
+ * multiple of 16: the same order whatever ``rows`` is, so a row's result does not depend on the
+ * rows beside it. */
 WITH_AVX2_CLONE
-void dsv4_linear_f32(float *out, const float *x, const float *weight, int64_t rows,
-                     int64_t out_features, int64_t in_features) {
+static void linear_rows(float *out, int64_t out_stride, const float *x, int64_t x_stride,
+                        const float *weight, int64_t rows, int64_t out_features,
+                        int64_t in_features) {
     const int64_t body = in_features - in_features % LANES;
     for (int64_t o = 0; o < out_features; ++o) {
         const float *w = weight + o * in_features;
         int64_t m = 0;
         for (; m + 4 <= rows; m += 4) {
-            const float *x0 = x + m * in_features, *x1 = x0 + in_features;
-            const float *x2 = x1 + in_features, *x3 = x2 + in_features;
+            const float *x0 = x + m * x_stride, *x1 = x0 + x_stride;
+            const float *x2 = x1 + x_stride, *x3 = x2 + x_stride;
             float a0[LANES] = {0}, a1[LANES] = {0}, a2[LANES] = {0}, a3[LANES] = {0};
             for (int64_t i = 0; i < body; i += LANES) {
                 for (int l = 0; l < LANES; ++l) {
@@ -237,22 +239,40 @@ void dsv4_linear_f32(float *out, const float *x, const float *weight, int64_t ro
                 s2 += x2[i] * w[i];
                 s3 += x3[i] * w[i];
             }
-            out[m * out_features + o] = s0;
-            out[(m + 1) * out_features + o] = s1;
-            out[(m + 2) * out_features + o] = s2;
-            out[(m + 3) * out_features + o] = s3;
+            out[m * out_stride + o] = s0;
+            out[(m + 1) * out_stride + o] = s1;
+            out[(m + 2) * out_stride + o] = s2;
+            out[(m + 3) * out_stride + o] = s3;
         }
         for (; m < rows; ++m) {
-            const float *xm = x + m * in_features;
+            const float *xm = x + m * x_stride;
             float acc[LANES] = {0};
             for (int64_t i = 0; i < body; i += LANES)
                 for (int l = 0; l < LANES; ++l) acc[l] += xm[i + l] * w[i + l];
             float sum = 0.0f;
             for (int l = 0; l < LANES; ++l) sum += acc[l];
             for (int64_t i = body; i < in_features; ++i) sum += xm[i] * w[i];
-            out[m * out_features + o] = sum;
+            out[m * out_stride + o] = sum;
         }
     }
+}
+
+/* ``linear_rows`` on contiguous rows: ``out`` is ``rows`` x ``out_features``. */
+void dsv4_linear_f32(float *out, const float *x, const float *weight, int64_t rows,
+                     int64_t out_features, int64_t in_features) {
+    linear_rows(out, out_features, x, in_features, weight, rows, out_features, in_features);
+}
+
+/* ``groups`` independent products (``dsv4.layers.GroupedLinear``): ``x`` is ``rows`` x ``groups``
+ * x ``in_features``, ``weight`` ``groups`` x ``out_features`` x ``in_features`` and ``out``
+ * ``rows`` x ``groups`` x ``out_features``, all contiguous; group g's rows are ``linear_rows`` of
+ * x[:, g] and weight[g], each weight read once for all rows. */
+void dsv4_grouped_linear_f32(float *out, const float *x, const float *weight, int64_t rows,
+                             int64_t groups, int64_t out_features, int64_t in_features) {
+    for (int64_t g = 0; g < groups; ++g)
+        linear_rows(out + g * out_features, groups * out_features, x + g * in_features,
+                    groups * in_features, weight + g * out_features * in_features, rows,
+                    out_features, in_features);
 }
 
 /* ---- Routed experts: each chosen expert's weights read once per block of its rows ---- */
@@ -463,5 +483,107 @@ int64_t dsv4_routed_experts_f32(float *out, const float *x, const int64_t *exper
     free(starts);
     free(order);
     free(scratch);
+    return 0;
+}
+
+/* ---- Attention of decode-sized steps over gathered keys ---- */
+
+/* One softmax per (token, head) over the token's ``keys`` it may see and its head's sink
+ * (``dsv4.attention``'s ``_attend_queries``): ``out[t, h] = sum over visible k of p_k *
+ * keys[t, k]``, ``p_k = exp(l_k - m) / (sum over visible j of exp(l_j - m) + exp(sink_h - m))``,
+ * ``l_k = (queries[t, h] . keys[t, k]) * scaling`` and ``m`` the largest of the visible logits and
+ * the sink. A key the token may not see takes no part at all (where the composite weighs it by
+ * an exact zero). ``queries`` and ``out`` are ``tokens`` x ``heads`` x ``width``, ``keys``
+ * ``tokens`` x ``count`` x ``width`` and ``visible`` ``tokens`` x ``count`` bytes, contiguous; each
+ * dot product is 8 partial sums (column i into sum i mod 8) added in order, then the columns past
+ * the last multiple of 8. Returns 0, or -1 where scratch memory could not be allocated. */
+int64_t dsv4_attend_f32(float *out, const float *queries, const float *keys,
+                        const uint8_t *visible, const float *sinks, int64_t tokens, int64_t heads,
+                        int64_t count, int64_t width, float scaling) {
+    float *weights = malloc((size_t)(count > 0 ? count : 1) * sizeof(float));
+    if (weights == NULL) return -1;
+    const int64_t body = width - width % 8;
+    for (int64_t t = 0; t < tokens; ++t) {
+        const float *token_keys = keys + t * count * width;
+        const uint8_t *seen = visible + t * count;
+        for (int64_t h = 0; h < heads; ++h) {
+            const float *q = queries + (t * heads + h) * width;
+            float largest = sinks[h];
+            for (int64_t k = 0; k < count; ++k) {
+                if (!seen[k]) continue;
+                const float *key = token_keys + k * width;
+                float partial[8] = {0};
+                for (int64_t i = 0; i < body; i += 8)
+                    for (int l = 0; l < 8; ++l) partial[l] += q[i + l] * key[i + l];
+                float dot = 0.0f;
+                for (int l = 0; l < 8; ++l) dot += partial[l];
+                for (int64_t i = body; i < width; ++i) dot += q[i] * key[i];
+                weights[k] = dot * scaling;
+                largest = weights[k] > largest ? weights[k] : largest;
+            }
+            float total = 0.0f;
+            for (int64_t k = 0; k < count; ++k) {
+                if (!seen[k]) continue;
+                weights[k] = expf(weights[k] - largest);
+                total += weights[k];
+            }
+            total += expf(sinks[h] - largest);
+            float *dst = out + (t * heads + h) * width;
+            for (int64_t i = 0; i < width; ++i) dst[i] = 0.0f;
+            for (int64_t k = 0; k < count; ++k) {
+                if (!seen[k]) continue;
+                const float p = weights[k] / total, *key = token_keys + k * width;
+                for (int64_t i = 0; i < width; ++i) dst[i] += p * key[i];
+            }
+        }
+    }
+    free(weights);
+    return 0;
+}
+
+/* ---- Selection ---- */
+
+/* ``dsv4.selection.stable_topk`` on each of ``rows`` contiguous rows of ``width`` float32
+ * ``scores``: the indices of the ``k`` largest into ``out`` (``rows`` x ``k`` int64), largest
+ * first, equal scores in ascending index order (``-0.0`` equals ``0.0``; where NaN ranks is
+ * unspecified). One pass per row keeping the best ``k`` in order: a score enters only if it
+ * beats the last kept one strictly (an equal one came later, so ranks after it), and moves up
+ * past every kept score it beats strictly. The answer is the rule's, so it equals the
+ * composite's (a stable sort) index for index. */
+void dsv4_stable_topk_f32(int64_t *out, const float *scores, int64_t rows, int64_t width,
+                          int64_t k) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = scores + r * width;
+        int64_t *kept = out + r * k, count = 0;
+        for (int64_t i = 0; i < width; ++i) {
+            const float v = row[i];
+            if (count == k && !(v > row[kept[k - 1]])) continue;
+            int64_t at = count < k ? count++ : k - 1;
+            while (at > 0 && v > row[kept[at - 1]]) {
+                kept[at] = kept[at - 1];
+                --at;
+            }
+            kept[at] = i;
+        }
+    }
+}
+
+/* The router's weights (``dsv4.moe.Router``): for each of ``tokens`` rows, the ``k`` chosen
+ * ``scores`` (``tokens`` x ``width``; ``experts`` ``tokens`` x ``k`` int64 indices into a row, all
+ * contiguous) divided by their sum plus 1e-20, then times ``scaling``: ``out`` ``tokens`` x ``k``.
+ * The sum adds the chosen scores in slot order. Returns 0, or -2 where an index is outside the
+ * row (``out`` is then untouched). */
+int64_t dsv4_route_weights_f32(float *out, const float *scores, const int64_t *experts,
+                               int64_t tokens, int64_t width, int64_t k, float scaling) {
+    for (int64_t s = 0; s < tokens * k; ++s)
+        if (experts[s] < 0 || experts[s] >= width) return -2;
+    for (int64_t t = 0; t < tokens; ++t) {
+        const float *row = scores + t * width;
+        const int64_t *chosen = experts + t * k;
+        float total = 0.0f;
+        for (int64_t j = 0; j < k; ++j) total += row[chosen[j]];
+        const float denominator = total + 1e-20f;
+        for (int64_t j = 0; j < k; ++j) out[t * k + j] = row[chosen[j]] / denominator * scaling;
+    }
     return 0;
 }

@@ -53,13 +53,14 @@ from dsv4.config import CSA, SLIDING, DeepseekV4Config
 from dsv4.indexer import Indexer
 from dsv4.layers import GroupedLinear, Linear, RMSNorm, as_dtype, read_rows, rms_normalize
 from dsv4.metadata import AttentionMetadata
+from dsv4.native_ops import ATTEND_INTO, native_takes
 from dsv4.paging import EntryPages, Window, request_blocks, sink_rows, write_rows
 from dsv4.parallel import SINGLE, TensorParallel
 from dsv4.pooling import PoolingPlan, entry_capacity, entry_ends
 from dsv4.rope import RotaryEmbedding, RotaryTables
 from graphs import EagerRegionStrategy, ForwardContext, get_forward_context
 
-__all__ = ["ATTEND_CHUNK", "DeepseekV4Attention"]
+__all__ = ["ATTEND_CHUNK", "DeepseekV4Attention", "attend_takes"]
 
 ATTEND_CHUNK = 32
 """Queries attended at once. Each query gathers its request's window keys and every compressed
@@ -293,13 +294,34 @@ class DeepseekV4Attention(nn.Module):
             entry_keys = torch.where(entries_visible.unsqueeze(-1), entry_keys, 0.0)
             keys = torch.cat((keys, entry_keys), dim=1)
             visible = torch.cat((visible, entries_visible), dim=1)
-        queries = rows(prepared.queries)
+        queries, out = rows(prepared.queries), rows(prepared.out)
+        if attend_takes(out, queries, keys, visible, self.sinks):
+            ATTEND_INTO(out, queries, keys, visible, self.sinks, self.scaling)
+            return
         logits = torch.einsum("thd,tkd->thk", queries, keys) * self.scaling
         logits = torch.where(visible.unsqueeze(1), logits, float("-inf"))
         sinks = self.sinks.view(1, -1, 1).expand(queries.shape[0], -1, 1)
         logits = torch.cat((as_dtype(logits, torch.float32), sinks), dim=-1)
         probs = as_dtype(logits.softmax(dim=-1)[..., :-1], keys.dtype)
-        torch.bmm(probs, keys, out=rows(prepared.out))
+        torch.bmm(probs, keys, out=out)
+
+
+def attend_takes(
+    out: torch.Tensor,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    visible: torch.Tensor,
+    sinks: torch.Tensor,
+) -> bool:
+    """Whether the attention core runs as one native operator (``dsv4::attend_into``: logits,
+    mask, sink, softmax and weighted sum in one kernel, a key the token may not see left out):
+    float32 contiguous tensors on one CPU thread, a contiguous boolean mask."""
+    return (
+        torch.get_num_threads() == 1
+        and visible.dtype == torch.bool
+        and visible.is_contiguous()
+        and native_takes(out, queries, keys, sinks)
+    )
 
 
 def _compressor(config: DeepseekV4Config, layer_type: str) -> Compressor:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv4.native_ops import LINEAR_INTO, RMS_NORM_INTO, native_takes
+from dsv4.native_ops import GROUPED_LINEAR_INTO, LINEAR_INTO, RMS_NORM_INTO, native_takes
 
 __all__ = [
     "SKINNY_ROWS",
@@ -44,14 +44,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
+def _skinny(x: torch.Tensor, row_width: int) -> bool:
+    """Whether ``x`` is at most ``SKINNY_ROWS`` rows of ``row_width`` values, on one thread."""
+    rows = x.numel() // row_width if row_width else 0
+    return 0 < rows <= SKINNY_ROWS and torch.get_num_threads() == 1
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` (``F.linear`` without bias). At most ``SKINNY_ROWS`` rows of float32 on
     one CPU thread (a decode step) take the native kernel, one op whose rows do not depend on
     each other; anything else takes ATen's. (The thread count is read when the op is issued, so a
     graph keeps the choice of its capture.)"""
-    width = x.shape[-1] if x.dim() else 0
-    rows = x.numel() // width if width else 0
-    skinny = 0 < rows <= SKINNY_ROWS and weight.dim() == 2 and torch.get_num_threads() == 1
+    skinny = x.dim() > 0 and weight.dim() == 2 and _skinny(x, x.shape[-1])
     if skinny and native_takes(x, weight):
         out = x.new_empty(*x.shape[:-1], weight.shape[0])
         LINEAR_INTO(out, x, weight)
@@ -120,5 +124,11 @@ class GroupedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_total, in_per_group))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Like ``linear``: a decode step's few float32 rows on one CPU thread take one native
+        op (each group's weights read once for all rows), anything else ATen's ``einsum``."""
         w = self.weight.view(self.groups, -1, self.weight.shape[-1])
+        if x.dim() > 1 and _skinny(x, x.shape[-1] * x.shape[-2]) and native_takes(x, w):
+            out = x.new_empty(*x.shape[:-1], w.shape[1])
+            GROUPED_LINEAR_INTO(out, x, w)
+            return out
         return torch.einsum("...gi,goi->...go", x, w)

@@ -33,6 +33,7 @@ from dsv4.config import DeepseekV4Config
 from dsv4.expert_kernels import swiglu
 from dsv4.experts import DENSE_CHUNK_BYTES, ExpertFormulations, Experts
 from dsv4.layers import Linear, as_dtype, linear, read_rows
+from dsv4.native_ops import ROUTE_WEIGHTS_INTO, native_takes
 from dsv4.parallel import SINGLE, TensorParallel
 from dsv4.selection import stable_topk
 
@@ -91,6 +92,10 @@ class Router(nn.Module):
         else:
             biased = scores + self.e_score_correction_bias
             experts = stable_topk(biased, self.top_k)
+        if native_takes(scores) and experts.is_contiguous():  # on the CPU: one op
+            weights = scores.new_empty(experts.shape)
+            ROUTE_WEIGHTS_INTO(weights, scores, experts, self.scaling)
+            return experts, weights
         weights = scores.gather(1, experts)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return experts, weights * self.scaling

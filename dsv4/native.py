@@ -28,11 +28,17 @@ _SIGNATURES: dict[str, list[type]] = {
     "dsv4_swiglu_f32": [_POINTER, _POINTER, _SIZE, _POINTER] + [_SIZE] * 3 + [_FLOAT],
     "dsv4_rope_f32": [_POINTER] * 4 + [_SIZE, _POINTER] + [_SIZE] * 4,
     "dsv4_linear_f32": [_POINTER] * 3 + [_SIZE] * 3,
+    "dsv4_grouped_linear_f32": [_POINTER] * 3 + [_SIZE] * 4,
     "dsv4_routed_experts_f32": [_POINTER] * 6 + [_SIZE] * 5 + [_FLOAT],
+    "dsv4_stable_topk_f32": [_POINTER] * 2 + [_SIZE] * 3,
+    "dsv4_route_weights_f32": [_POINTER] * 3 + [_SIZE] * 3 + [_FLOAT],
+    "dsv4_attend_f32": [_POINTER] * 5 + [_SIZE] * 4 + [_FLOAT],
 }
 """Each kernel's C parameters (pointers, ``int64_t`` sizes, ``float`` scalars)."""
 
-_RETURNS: dict[str, type] = {"dsv4_routed_experts_f32": _SIZE}
+_RETURNS: dict[str, type] = {
+    name: _SIZE for name in ("dsv4_routed_experts_f32", "dsv4_attend_f32", "dsv4_route_weights_f32")
+}
 """Kernels that return a status (0, or negative where it did nothing); the others ``void``."""
 
 

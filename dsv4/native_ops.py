@@ -21,6 +21,8 @@ from dsv4.native import KERNELS
 from graphs.bound_kernels import Binder, BoundCall, register_binder
 
 __all__ = [
+    "ATTEND_INTO",
+    "GROUPED_LINEAR_INTO",
     "HC_COLLAPSE_INTO",
     "HC_MIX_INTO",
     "HC_WEIGHTS_INTO",
@@ -28,6 +30,8 @@ __all__ = [
     "RMS_NORM_INTO",
     "ROPE_INTO",
     "ROUTED_EXPERTS_INTO",
+    "ROUTE_WEIGHTS_INTO",
+    "STABLE_TOPK_INTO",
     "SWIGLU_INTO",
     "bound_call",
     "native_takes",
@@ -45,10 +49,19 @@ _LIBRARY.define(
     "hc_mix_into(Tensor(a!) out, Tensor streams, Tensor post, Tensor comb_t, Tensor output) -> ()"
 )
 _LIBRARY.define("linear_into(Tensor(a!) out, Tensor x, Tensor weight) -> ()")
+_LIBRARY.define("grouped_linear_into(Tensor(a!) out, Tensor x, Tensor weight) -> ()")
 _LIBRARY.define(
     "routed_experts_into(Tensor(a!) out, Tensor x, Tensor experts, Tensor weights, "
     "Tensor gate_up, Tensor down, float limit) -> ()"
 )
+_LIBRARY.define(
+    "attend_into(Tensor(a!) out, Tensor queries, Tensor keys, Tensor visible, Tensor sinks, "
+    "float scaling) -> ()"
+)
+_LIBRARY.define(
+    "route_weights_into(Tensor(a!) out, Tensor scores, Tensor experts, float scaling) -> ()"
+)
+_LIBRARY.define("stable_topk_into(Tensor(a!) out, Tensor scores) -> ()")
 _LIBRARY.define("swiglu_into(Tensor(a!) out, Tensor gate, Tensor up, float limit) -> ()")
 _LIBRARY.define(
     "rope_into(Tensor(a!) out, Tensor x, Tensor cos, Tensor sin, Tensor swap, bool inverse) -> ()"
@@ -177,6 +190,22 @@ def _bind_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> Bo
     )
 
 
+def _bind_grouped_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> BoundCall:
+    assert KERNELS is not None
+    groups, out_features, in_features = weight.shape
+    return bound_call(
+        KERNELS.dsv4_grouped_linear_f32,
+        (out, x, weight),
+        out.data_ptr(),
+        x.data_ptr(),
+        weight.data_ptr(),
+        x.numel() // (groups * in_features),
+        groups,
+        out_features,
+        in_features,
+    )
+
+
 def _bind_swiglu(
     out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, limit: float
 ) -> BoundCall:
@@ -248,9 +277,64 @@ def _bind_routed_experts(
     )
 
 
+def _bind_attend(
+    out: torch.Tensor,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    visible: torch.Tensor,
+    sinks: torch.Tensor,
+    scaling: float,
+) -> BoundCall:
+    assert KERNELS is not None
+    tokens, heads, width = queries.shape
+    tensors = (out, queries, keys, visible, sinks)
+    return bound_call(
+        KERNELS.dsv4_attend_f32,
+        tensors,
+        *(t.data_ptr() for t in tensors),
+        tokens,
+        heads,
+        keys.shape[1],
+        width,
+        scaling,
+    )
+
+
+def _bind_stable_topk(out: torch.Tensor, scores: torch.Tensor) -> BoundCall:
+    assert KERNELS is not None
+    width, k = scores.shape[-1], out.shape[-1]
+    return bound_call(
+        KERNELS.dsv4_stable_topk_f32,
+        (out, scores),
+        out.data_ptr(),
+        scores.data_ptr(),
+        scores.numel() // width,
+        width,
+        k,
+    )
+
+
+def _bind_route_weights(
+    out: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor, scaling: float
+) -> BoundCall:
+    assert KERNELS is not None
+    tokens, k = experts.shape
+    return bound_call(
+        KERNELS.dsv4_route_weights_f32,
+        (out, scores, experts),
+        out.data_ptr(),
+        scores.data_ptr(),
+        experts.data_ptr(),
+        tokens,
+        scores.shape[-1],
+        k,
+        scaling,
+    )
+
+
 _FAILURES: dict[int, str] = {
     -1: "out of memory for its scratch rows",
-    -2: "an expert index outside the stacks",
+    -2: "an index outside its table",
 }
 """What a kernel's negative status means (``dsv4/_kernels.c``)."""
 
@@ -273,19 +357,27 @@ _BINDERS: dict[str, Binder] = {
     "hc_collapse_into": _bind_hc_collapse,
     "hc_mix_into": _bind_hc_mix,
     "linear_into": _bind_linear,
+    "grouped_linear_into": _bind_grouped_linear,
     "swiglu_into": _bind_swiglu,
     "rope_into": _bind_rope,
     "routed_experts_into": _bind_routed_experts,
+    "attend_into": _bind_attend,
+    "stable_topk_into": _bind_stable_topk,
+    "route_weights_into": _bind_route_weights,
 }
 for _name, _bind in _BINDERS.items():
     _LIBRARY.impl(_name, _run_bound(_name, _bind), "CPU")
     register_binder(getattr(torch.ops.dsv4, _name).default, _bind)
 
+ATTEND_INTO = torch.ops.dsv4.attend_into.default
 RMS_NORM_INTO = torch.ops.dsv4.rms_norm_into.default
 HC_WEIGHTS_INTO = torch.ops.dsv4.hc_weights_into.default
 HC_COLLAPSE_INTO = torch.ops.dsv4.hc_collapse_into.default
 HC_MIX_INTO = torch.ops.dsv4.hc_mix_into.default
+STABLE_TOPK_INTO = torch.ops.dsv4.stable_topk_into.default
 SWIGLU_INTO = torch.ops.dsv4.swiglu_into.default
 LINEAR_INTO = torch.ops.dsv4.linear_into.default
+GROUPED_LINEAR_INTO = torch.ops.dsv4.grouped_linear_into.default
 ROPE_INTO = torch.ops.dsv4.rope_into.default
 ROUTED_EXPERTS_INTO = torch.ops.dsv4.routed_experts_into.default
+ROUTE_WEIGHTS_INTO = torch.ops.dsv4.route_weights_into.default

@@ -12,15 +12,18 @@ rule picks.
 from __future__ import annotations
 
 import attrs
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dsv4 import native
 from dsv4.config import DeepseekV4Config
 from dsv4.expert_kernels import bagged, grouped, grouped_fits, routed, routed_takes
 from dsv4.experts import BAG_SLOTS_PER_EXPERT
 from dsv4.moe import Experts, Router
+from dsv4.native_ops import ROUTE_WEIGHTS_INTO
 
 
 def _by_definition(
@@ -172,3 +175,29 @@ def test_hash_routing_keeps_the_table_order_and_repeats() -> None:
     scores = F.softplus(F.linear(x, router.weight)).sqrt()[0]
     expected = scores[[3, 1, 3]] / scores[[3, 1, 3]].sum() * config.routed_scaling_factor
     torch.testing.assert_close(weights[0], expected)
+
+
+@pytest.mark.skipif(native.KERNELS is None, reason=native.reason)
+@given(
+    tokens=st.integers(1, 6),
+    num_experts=st.integers(1, 9),
+    data=st.data(),
+    seed=st.integers(0, 2**16),
+)
+def test_native_router_weights_equal_the_composite(
+    tokens: int, num_experts: int, data: st.DataObject, seed: int
+) -> None:
+    """On the CPU the chosen scores are normalised and scaled in one native op: the composite's
+    values (gather, sum plus 1e-20, divide, scale) within a float32 sum's rounding."""
+    k = data.draw(st.integers(1, 4), label="k")
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.rand(tokens, num_experts, generator=generator)
+    experts = torch.randint(0, num_experts, (tokens, k), generator=generator)
+    chosen = scores.gather(1, experts)
+    expected = chosen / (chosen.sum(dim=-1, keepdim=True) + 1e-20) * 1.5
+    with torch.inference_mode():
+        got = torch.empty(tokens, k)
+        ROUTE_WEIGHTS_INTO(got, scores, experts, 1.5)
+        with pytest.raises(RuntimeError, match="an index outside its table"):
+            ROUTE_WEIGHTS_INTO(got, scores, experts + num_experts, 1.5)
+    torch.testing.assert_close(got, expected, rtol=4 * k * 2**-24, atol=0)

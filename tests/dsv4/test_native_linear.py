@@ -1,6 +1,6 @@
-"""``dsv4.layers.linear``: up to ``SKINNY_ROWS`` float32 rows on one CPU thread take the native
-product (one op; each row's result independent of the rows beside it, so padding a batch never
-changes a real row); more rows, more threads or autograd take ATen's."""
+"""``dsv4.layers.linear`` and ``GroupedLinear``: up to ``SKINNY_ROWS`` float32 rows on one CPU
+thread take the native product (one op; each row's result independent of the rows beside it, so
+padding a batch never changes a real row); more rows, more threads or autograd take ATen's."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dsv4 import native
-from dsv4.layers import SKINNY_ROWS, linear
+from dsv4.layers import SKINNY_ROWS, GroupedLinear, linear
 from graphs.op_count import OpCounter
 
 pytestmark = pytest.mark.skipif(native.KERNELS is None, reason=native.reason)
@@ -62,3 +62,32 @@ def test_only_skinny_single_thread_products_are_native() -> None:
         torch.set_num_threads(previous)
     weight = weight.double()
     assert "linear_into" not in ops(torch.randn(1, 32, dtype=torch.float64))
+
+
+@given(
+    rows=st.integers(1, SKINNY_ROWS),
+    groups=st.integers(1, 4),
+    in_features=st.integers(1, 70),
+    out_features=st.integers(1, 20),
+    seed=st.integers(0, 2**16),
+)
+def test_the_grouped_product_is_each_groups_native_product(
+    rows: int, groups: int, in_features: int, out_features: int, seed: int
+) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    module = GroupedLinear(in_features, groups * out_features, groups)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(module.weight.shape, generator=generator))
+    x = torch.randn(rows, groups, in_features, generator=generator)
+    weights = module.weight.view(groups, out_features, in_features)
+    counter = OpCounter()
+    with torch.inference_mode():
+        with counter:
+            got = module(x)
+        columns = [linear(x[:, g].contiguous(), weights[g]) for g in range(groups)]
+        expected = torch.stack(columns, dim=1)
+        alone = [module(x[m : m + 1]) for m in range(rows)]
+    assert counter.by_name["grouped_linear_into"] == 1
+    assert torch.equal(got, expected)
+    assert all(torch.equal(got[m : m + 1], row) for m, row in enumerate(alone))
+    torch.testing.assert_close(got, torch.einsum("...gi,goi->...go", x, weights))

@@ -1,7 +1,8 @@
 """``stable_topk``, the model's one top-k: the lower index wins among equal scores.
 
-Every check runs both of its ways, the stable sort (up to ``SORT_ELEMENTS`` scores) and the
-int64 key (above: the same rows, repeated until there are more):
+Every check runs all of its ways: the stable sort (up to ``SORT_ELEMENTS`` scores), the int64
+key (above: the same rows, repeated until there are more) and, where autograd does not record
+and the kernels were built, the native single pass (``k`` up to ``NATIVE_K``):
 - It equals a hand-written reference (Python's sort by score, then index) and vLLM's canonical
   selection (every score above the k-th, then the lowest indices tied at it) on rows drawn from
   a few values, so most rows tie at the cut; ``-0.0`` ties with ``0.0``.
@@ -17,8 +18,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dsv4.selection import SORT_ELEMENTS, stable_topk
+from dsv4 import native
+from dsv4.selection import NATIVE_K, SORT_ELEMENTS, stable_topk
 from graphs import BreakableCapture, TapeBackend
+from graphs.op_count import OpCounter
 
 INF = float("inf")
 VALUES = [0.0, -0.0, 1.5, -2.0, 0.25, 3e38, -INF, INF, 1e-45]
@@ -40,12 +43,19 @@ def canonical_set(row: list[float], k: int) -> set[int]:
 
 
 def both_ways(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """``stable_topk`` by the sort and by the key, which must agree; the choice."""
+    """``stable_topk`` by the sort, by the key and natively, which must agree; the choice."""
     repeats = SORT_ELEMENTS // scores.numel() + 1
-    by_sort = stable_topk(scores, k)
+    by_sort = stable_topk(scores, k)  # autograd records here: no native op
     by_key = stable_topk(scores.repeat(repeats, 1), k)
     assert scores.numel() <= SORT_ELEMENTS < scores.numel() * repeats
     assert torch.equal(by_key, by_sort.repeat(repeats, 1))
+    if native.KERNELS is not None and k <= NATIVE_K and scores.dtype == torch.float32:
+        counter = OpCounter()
+        with torch.inference_mode(), counter:
+            by_native = stable_topk(scores, k)
+        assert counter.by_name["stable_topk_into"] == 1
+        assert "sort" not in counter.by_name
+        assert torch.equal(by_native, by_sort)
     return by_sort
 
 
