@@ -10,10 +10,12 @@ dtype, device and layout before it hands a tensor over.
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 from pathlib import Path
+from typing import Any
 
-__all__ = ["KERNELS", "reason"]
+__all__ = ["KERNELS", "prebound", "reason"]
 
 
 _POINTER: type = ctypes.c_void_p
@@ -64,3 +66,15 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
 
 KERNELS, reason = _load()
 """The loaded library (``None`` when absent) and a line saying what happened."""
+
+
+def prebound(kernel: Any, *arguments: Any) -> functools.partial[Any]:
+    """``kernel(*arguments)`` as a zero-argument call whose arguments were converted to their C
+    types once, here (by the declared ``argtypes``, which check them), calling an unchecked
+    pointer to the same function: a replayed call then converts nothing (0.35 us a call here,
+    where one converting its arguments takes 0.6 us)."""
+    converted = [c_type(value) for c_type, value in zip(kernel.argtypes, arguments, strict=True)]
+    assert KERNELS is not None
+    unchecked = KERNELS[kernel.__name__]  # a new function object, without argtypes
+    unchecked.restype = kernel.restype
+    return functools.partial(unchecked, *converted)

@@ -11,13 +11,12 @@ each kernel rounds against those ATen ops is stated in ``dsv4/_kernels.c`` and d
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from dsv4.native import KERNELS
+from dsv4.native import KERNELS, prebound
 from graphs.bound_kernels import Binder, BoundCall, register_binder
 
 __all__ = [
@@ -104,7 +103,7 @@ def row_stride(t: torch.Tensor, rows: int) -> int | None:
 def bound_call(kernel: Any, tensors: tuple[torch.Tensor | None, ...], *arguments: Any) -> BoundCall:
     """``kernel(*arguments)`` as a zero-argument call holding ``tensors`` (whose addresses are
     among ``arguments``), so their memory lives as long as the call."""
-    call = functools.partial(kernel, *arguments)
+    call = prebound(kernel, *arguments)
     call.tensors = tensors  # type: ignore[attr-defined]
     return call
 
