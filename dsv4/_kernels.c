@@ -587,3 +587,37 @@ int64_t dsv4_route_weights_f32(float *out, const float *scores, const int64_t *e
     }
     return 0;
 }
+
+/* The lightning indexer's scores (``dsv4.indexer.Indexer.select``): ``out[t, s] = sum over h of
+ * (relu(queries[t, h] . keys[t, s]) * scale) * weights[t, h]``, heads in order, for each entry
+ * ``s`` token ``t`` may see, and -inf for the others. ``queries`` are ``tokens`` x ``heads`` x
+ * ``width``, ``keys`` ``tokens`` x ``count`` x ``width``, ``weights`` ``tokens`` x ``heads``,
+ * ``visible`` ``tokens`` x ``count`` bytes and ``out`` ``tokens`` x ``count``, all contiguous; each
+ * dot product as in ``dsv4_attend_f32``. */
+void dsv4_index_scores_f32(float *out, const float *queries, const float *keys,
+                           const float *weights, const uint8_t *visible, int64_t tokens,
+                           int64_t heads, int64_t count, int64_t width, float scale) {
+    const int64_t body = width - width % 8;
+    for (int64_t t = 0; t < tokens; ++t)
+        for (int64_t s = 0; s < count; ++s) {
+            float *dst = out + t * count + s;
+            if (!visible[t * count + s]) {
+                *dst = -INFINITY;
+                continue;
+            }
+            const float *key = keys + (t * count + s) * width;
+            float score = 0.0f;
+            for (int64_t h = 0; h < heads; ++h) {
+                const float *q = queries + (t * heads + h) * width;
+                float partial[8] = {0};
+                for (int64_t i = 0; i < body; i += 8)
+                    for (int l = 0; l < 8; ++l) partial[l] += q[i + l] * key[i + l];
+                float dot = 0.0f;
+                for (int l = 0; l < 8; ++l) dot += partial[l];
+                for (int64_t i = body; i < width; ++i) dot += q[i] * key[i];
+                const float relu = dot > 0.0f ? dot : 0.0f;
+                score += relu * scale * weights[t * heads + h];
+            }
+            *dst = score;
+        }
+}

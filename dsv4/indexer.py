@@ -5,7 +5,8 @@ Keys ``K_I[s]`` come from its own overlapping compressor at ``index_head_dim`` (
 the query position, not normalised. Weights ``w_h = weights_proj(x)[h] / sqrt(n_I)``. The
 score of entry ``s`` for query ``t`` is ``sum_h w_h * relu(q_I[h] . K_I[s]) / sqrt(c_I)`` in
 fp32; entries not yet complete score ``-inf``; the top ``min(index_topk, capacity)`` entries
-are selected and those that are not visible are marked invalid. Among equal scores the entry
+are selected and those that are not visible are marked invalid. On the CPU (float32, one thread)
+the scores are one native op (``dsv4::index_scores_into``). Among equal scores the entry
 with the lower index in the request (the earlier entry) wins, and selected entries come in
 descending order of score, then ascending index (``dsv4.selection.stable_topk``): exact ties
 are common (an entry scores 0.0 wherever every head's ReLU is zero), and the rule makes the
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from dsv4.layers import Linear, as_dtype
+from dsv4.native_ops import INDEX_SCORES_INTO, native_takes
 from dsv4.pooling import WindowPooler
 from dsv4.rope import RotaryEmbedding, RotaryTables
 from dsv4.selection import stable_topk
@@ -86,6 +88,11 @@ class Indexer(WindowPooler):
         entry of each token's request (column ``s`` is the request's entry ``s``), of which
         ``visible`` ``[T, capacity]`` are complete; ties go to the lower entry index."""
         fp32 = torch.float32
+        if torch.get_num_threads() == 1 and visible.dtype == torch.bool and visible.is_contiguous():
+            if native_takes(queries, keys, weights):  # on the CPU: one op
+                scores = queries.new_empty(visible.shape)
+                INDEX_SCORES_INTO(scores, queries, keys, weights, visible, self.dim**-0.5)
+                return stable_topk(scores, min(self.topk, keys.shape[1]))
         scores = torch.einsum("thd,tsd->ths", as_dtype(queries, fp32), as_dtype(keys, fp32))
         scores = (scores.relu_() * self.dim**-0.5 * weights.unsqueeze(-1)).sum(dim=1)
         scores = torch.where(visible, scores, float("-inf"))

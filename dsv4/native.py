@@ -35,6 +35,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "dsv4_stable_topk_f32": [_POINTER] * 2 + [_SIZE] * 3,
     "dsv4_route_weights_f32": [_POINTER] * 3 + [_SIZE] * 3 + [_FLOAT],
     "dsv4_attend_f32": [_POINTER] * 5 + [_SIZE] * 4 + [_FLOAT],
+    "dsv4_index_scores_f32": [_POINTER] * 5 + [_SIZE] * 4 + [_FLOAT],
 }
 """Each kernel's C parameters (pointers, ``int64_t`` sizes, ``float`` scalars)."""
 

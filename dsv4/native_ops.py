@@ -23,6 +23,7 @@ __all__ = [
     "ATTEND_INTO",
     "GROUPED_LINEAR_INTO",
     "HC_COLLAPSE_INTO",
+    "INDEX_SCORES_INTO",
     "HC_MIX_INTO",
     "HC_WEIGHTS_INTO",
     "LINEAR_INTO",
@@ -59,6 +60,10 @@ _LIBRARY.define(
 )
 _LIBRARY.define(
     "route_weights_into(Tensor(a!) out, Tensor scores, Tensor experts, float scaling) -> ()"
+)
+_LIBRARY.define(
+    "index_scores_into(Tensor(a!) out, Tensor queries, Tensor keys, Tensor weights, "
+    "Tensor visible, float scale) -> ()"
 )
 _LIBRARY.define("stable_topk_into(Tensor(a!) out, Tensor scores) -> ()")
 _LIBRARY.define("swiglu_into(Tensor(a!) out, Tensor gate, Tensor up, float limit) -> ()")
@@ -108,6 +113,12 @@ def bound_call(kernel: Any, tensors: tuple[torch.Tensor | None, ...], *arguments
     return call
 
 
+def _require(holds: bool, operator: str, what: str) -> None:
+    """Refuse a call whose tensors the kernel would read out of bounds (it trusts the sizes)."""
+    if not holds:
+        raise ValueError(f"dsv4::{operator}: {what}")
+
+
 def _address(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -117,6 +128,11 @@ def _bind_rms_norm(
 ) -> BoundCall:
     assert KERNELS is not None
     width = x.shape[-1]
+    _require(
+        out.shape == x.shape and (weight is None or weight.shape == (width,)),
+        "rms_norm_into",
+        "out like x [..., D], weight [D]",
+    )
     return bound_call(
         KERNELS.dsv4_rms_norm_f32,
         (out, x, weight),
@@ -177,6 +193,11 @@ def _bind_hc_mix(
 def _bind_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> BoundCall:
     assert KERNELS is not None
     out_features, in_features = weight.shape
+    _require(
+        x.dim() > 0 and x.shape[-1] == in_features and out.shape == (*x.shape[:-1], out_features),
+        "linear_into",
+        "x [..., in], weight [out, in], out [..., out]",
+    )
     return bound_call(
         KERNELS.dsv4_linear_f32,
         (out, x, weight),
@@ -192,6 +213,11 @@ def _bind_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> Bo
 def _bind_grouped_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> BoundCall:
     assert KERNELS is not None
     groups, out_features, in_features = weight.shape
+    _require(
+        x.shape[-2:] == (groups, in_features) and out.shape == (*x.shape[:-1], out_features),
+        "grouped_linear_into",
+        "x [..., G, in], weight [G, out, in], out [..., G, out]",
+    )
     return bound_call(
         KERNELS.dsv4_grouped_linear_f32,
         (out, x, weight),
@@ -262,6 +288,13 @@ def _bind_routed_experts(
     assert KERNELS is not None
     tokens, k = experts.shape
     num_experts, double_inter, hidden = gate_up.shape
+    _require(
+        x.shape == out.shape == (tokens, hidden)
+        and weights.shape == experts.shape
+        and down.shape == (num_experts, hidden, double_inter // 2),
+        "routed_experts_into",
+        "x and out [T, hidden], weights like experts [T, k], stacks [E, 2I, hidden], [E, hidden, I]",
+    )
     tensors = (out, x, experts, weights, gate_up, down)
     return bound_call(
         KERNELS.dsv4_routed_experts_f32,
@@ -286,6 +319,16 @@ def _bind_attend(
 ) -> BoundCall:
     assert KERNELS is not None
     tokens, heads, width = queries.shape
+    _require(
+        out.shape == queries.shape
+        and keys.dim() == 3
+        and keys.shape[0] == tokens
+        and keys.shape[2] == width
+        and visible.shape == keys.shape[:2]
+        and sinks.shape == (heads,),
+        "attend_into",
+        "out like queries [T, H, D], keys [T, K, D], visible [T, K], sinks [H]",
+    )
     tensors = (out, queries, keys, visible, sinks)
     return bound_call(
         KERNELS.dsv4_attend_f32,
@@ -302,6 +345,11 @@ def _bind_attend(
 def _bind_stable_topk(out: torch.Tensor, scores: torch.Tensor) -> BoundCall:
     assert KERNELS is not None
     width, k = scores.shape[-1], out.shape[-1]
+    _require(
+        out.shape[:-1] == scores.shape[:-1] and 0 <= k <= width,
+        "stable_topk_into",
+        "out [..., k] for scores [..., n], k at most n",
+    )
     return bound_call(
         KERNELS.dsv4_stable_topk_f32,
         (out, scores),
@@ -318,6 +366,11 @@ def _bind_route_weights(
 ) -> BoundCall:
     assert KERNELS is not None
     tokens, k = experts.shape
+    _require(
+        out.shape == experts.shape and scores.dim() == 2 and scores.shape[0] == tokens,
+        "route_weights_into",
+        "scores [T, E], out like experts [T, k]",
+    )
     return bound_call(
         KERNELS.dsv4_route_weights_f32,
         (out, scores, experts),
@@ -328,6 +381,38 @@ def _bind_route_weights(
         scores.shape[-1],
         k,
         scaling,
+    )
+
+
+def _bind_index_scores(
+    out: torch.Tensor,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    weights: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+) -> BoundCall:
+    assert KERNELS is not None
+    tokens, heads, width = queries.shape
+    _require(
+        keys.dim() == 3
+        and keys.shape[0] == tokens
+        and keys.shape[2] == width
+        and weights.shape == (tokens, heads)
+        and out.shape == visible.shape == keys.shape[:2],
+        "index_scores_into",
+        "queries [T, H, D], keys [T, S, D], weights [T, H], out and visible [T, S]",
+    )
+    tensors = (out, queries, keys, weights, visible)
+    return bound_call(
+        KERNELS.dsv4_index_scores_f32,
+        tensors,
+        *(t.data_ptr() for t in tensors),
+        tokens,
+        heads,
+        keys.shape[1],
+        width,
+        scale,
     )
 
 
@@ -363,6 +448,7 @@ _BINDERS: dict[str, Binder] = {
     "attend_into": _bind_attend,
     "stable_topk_into": _bind_stable_topk,
     "route_weights_into": _bind_route_weights,
+    "index_scores_into": _bind_index_scores,
 }
 for _name, _bind in _BINDERS.items():
     _LIBRARY.impl(_name, _run_bound(_name, _bind), "CPU")
@@ -372,6 +458,7 @@ ATTEND_INTO = torch.ops.dsv4.attend_into.default
 RMS_NORM_INTO = torch.ops.dsv4.rms_norm_into.default
 HC_WEIGHTS_INTO = torch.ops.dsv4.hc_weights_into.default
 HC_COLLAPSE_INTO = torch.ops.dsv4.hc_collapse_into.default
+INDEX_SCORES_INTO = torch.ops.dsv4.index_scores_into.default
 HC_MIX_INTO = torch.ops.dsv4.hc_mix_into.default
 STABLE_TOPK_INTO = torch.ops.dsv4.stable_topk_into.default
 SWIGLU_INTO = torch.ops.dsv4.swiglu_into.default
