@@ -34,6 +34,18 @@ from dsv4.selection import stable_topk
 __all__ = ["Indexer", "IndexerScorer"]
 
 
+def _native_scores(
+    queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
+) -> bool:
+    """Whether the scores are one native op: float32 on one CPU thread, a boolean mask."""
+    return (
+        torch.get_num_threads() == 1
+        and visible.dtype == torch.bool
+        and visible.is_contiguous()
+        and native_takes(queries, keys, weights)
+    )
+
+
 class IndexerScorer(nn.Module):
     """Holds ``weights_proj`` (reference name ``indexer.scorer.weights_proj``)."""
 
@@ -88,11 +100,10 @@ class Indexer(WindowPooler):
         entry of each token's request (column ``s`` is the request's entry ``s``), of which
         ``visible`` ``[T, capacity]`` are complete; ties go to the lower entry index."""
         fp32 = torch.float32
-        if torch.get_num_threads() == 1 and visible.dtype == torch.bool and visible.is_contiguous():
-            if native_takes(queries, keys, weights):  # on the CPU: one op
-                scores = queries.new_empty(visible.shape)
-                INDEX_SCORES_INTO(scores, queries, keys, weights, visible, self.dim**-0.5)
-                return stable_topk(scores, min(self.topk, keys.shape[1]))
+        if _native_scores(queries, weights, keys, visible):  # on the CPU: one op
+            scores = queries.new_empty(visible.shape)
+            INDEX_SCORES_INTO(scores, queries, keys, weights, visible, self.dim**-0.5)
+            return stable_topk(scores, min(self.topk, keys.shape[1]))
         scores = torch.einsum("thd,tsd->ths", as_dtype(queries, fp32), as_dtype(keys, fp32))
         scores = (scores.relu_() * self.dim**-0.5 * weights.unsqueeze(-1)).sum(dim=1)
         scores = torch.where(visible, scores, float("-inf"))

@@ -293,7 +293,8 @@ def _bind_routed_experts(
         and weights.shape == experts.shape
         and down.shape == (num_experts, hidden, double_inter // 2),
         "routed_experts_into",
-        "x and out [T, hidden], weights like experts [T, k], stacks [E, 2I, hidden], [E, hidden, I]",
+        "x and out [T, hidden], weights like experts [T, k], stacks [E, 2I, hidden] and "
+        "[E, hidden, I]",
     )
     tensors = (out, x, experts, weights, gate_up, down)
     return bound_call(
