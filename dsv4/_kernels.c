@@ -621,3 +621,53 @@ void dsv4_index_scores_f32(float *out, const float *queries, const float *keys,
             *dst = score;
         }
 }
+
+/* ---- Compressor pooling ---- */
+
+/* Window pooling (``dsv4.pooling.WindowPooler.update``): for each of ``tokens`` windows of
+ * ``span`` rows (``rows``, ``tokens`` x ``span`` int64 indices into the ``kv`` and ``gate``
+ * tables, ``count`` x ``width`` float32 each), each channel's softmax over the window of the gate
+ * (``-inf`` at slots ``masked`` marks, a ``tokens`` x ``span`` byte mask, or none where NULL),
+ * then the kv rows weighted by it and added, slots in order, into ``out`` (``tokens`` x
+ * ``width``). A channel whose every slot is masked pools NaN, as the composite's softmax gives.
+ * Returns 0; -1 without scratch memory, -2 where an index is outside the tables (``out`` is
+ * then untouched). */
+int64_t dsv4_pool_f32(float *out, const float *kv, const float *gate, const int64_t *rows,
+                      const uint8_t *masked, int64_t tokens, int64_t span, int64_t count,
+                      int64_t width) {
+    for (int64_t s = 0; s < tokens * span; ++s)
+        if (rows[s] < 0 || rows[s] >= count) return -2;
+    float *largest = malloc((size_t)(width > 0 ? width : 1) * 2 * sizeof(float));
+    if (largest == NULL) return -1;
+    float *total = largest + width;
+    for (int64_t t = 0; t < tokens; ++t) {
+        const int64_t *window = rows + t * span;
+        const uint8_t *skip = masked == NULL ? NULL : masked + t * span;
+        float *dst = out + t * width;
+        for (int64_t c = 0; c < width; ++c) {
+            largest[c] = -INFINITY;
+            total[c] = 0.0f;
+            dst[c] = 0.0f;
+        }
+        for (int64_t s = 0; s < span; ++s) {
+            if (skip != NULL && skip[s]) continue;
+            const float *g = gate + window[s] * width;
+            for (int64_t c = 0; c < width; ++c) largest[c] = g[c] > largest[c] ? g[c] : largest[c];
+        }
+        for (int64_t s = 0; s < span; ++s) {
+            if (skip != NULL && skip[s]) continue;
+            const float *g = gate + window[s] * width;
+            for (int64_t c = 0; c < width; ++c) total[c] += expf(g[c] - largest[c]);
+        }
+        for (int64_t s = 0; s < span; ++s) {
+            if (skip != NULL && skip[s]) continue;
+            const float *g = gate + window[s] * width, *v = kv + window[s] * width;
+            for (int64_t c = 0; c < width; ++c)
+                dst[c] += v[c] * (expf(g[c] - largest[c]) / total[c]);
+        }
+        for (int64_t c = 0; c < width; ++c)
+            if (largest[c] == -INFINITY) dst[c] = NAN;
+    }
+    free(largest);
+    return 0;
+}

@@ -36,11 +36,18 @@ _SIGNATURES: dict[str, list[type]] = {
     "dsv4_route_weights_f32": [_POINTER] * 3 + [_SIZE] * 3 + [_FLOAT],
     "dsv4_attend_f32": [_POINTER] * 5 + [_SIZE] * 4 + [_FLOAT],
     "dsv4_index_scores_f32": [_POINTER] * 5 + [_SIZE] * 4 + [_FLOAT],
+    "dsv4_pool_f32": [_POINTER] * 5 + [_SIZE] * 4,
 }
 """Each kernel's C parameters (pointers, ``int64_t`` sizes, ``float`` scalars)."""
 
 _RETURNS: dict[str, type] = {
-    name: _SIZE for name in ("dsv4_routed_experts_f32", "dsv4_attend_f32", "dsv4_route_weights_f32")
+    name: _SIZE
+    for name in (
+        "dsv4_routed_experts_f32",
+        "dsv4_attend_f32",
+        "dsv4_route_weights_f32",
+        "dsv4_pool_f32",
+    )
 }
 """Kernels that return a status (0, or negative where it did nothing); the others ``void``."""
 

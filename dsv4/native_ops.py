@@ -27,6 +27,7 @@ __all__ = [
     "HC_WEIGHTS_INTO",
     "INDEX_SCORES_INTO",
     "LINEAR_INTO",
+    "POOL_INTO",
     "RMS_NORM_INTO",
     "ROPE_INTO",
     "ROUTED_EXPERTS_INTO",
@@ -64,6 +65,9 @@ _LIBRARY.define(
 _LIBRARY.define(
     "index_scores_into(Tensor(a!) out, Tensor queries, Tensor keys, Tensor weights, "
     "Tensor visible, float scale) -> ()"
+)
+_LIBRARY.define(
+    "pool_into(Tensor(a!) out, Tensor kv, Tensor gate, Tensor rows, Tensor? masked) -> ()"
 )
 _LIBRARY.define("stable_topk_into(Tensor(a!) out, Tensor scores) -> ()")
 _LIBRARY.define("swiglu_into(Tensor(a!) out, Tensor gate, Tensor up, float limit) -> ()")
@@ -417,6 +421,35 @@ def _bind_index_scores(
     )
 
 
+def _bind_pool(
+    out: torch.Tensor,
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    rows: torch.Tensor,
+    masked: torch.Tensor | None,
+) -> BoundCall:
+    assert KERNELS is not None
+    tokens, span = rows.shape
+    count, width = kv.shape
+    _require(
+        gate.shape == kv.shape
+        and out.shape == (tokens, width)
+        and (masked is None or masked.numel() == tokens * span),
+        "pool_into",
+        "kv and gate [N, D], rows [T, S], masked [T, S], out [T, D]",
+    )
+    tensors = (out, kv, gate, rows, masked)
+    return bound_call(
+        KERNELS.dsv4_pool_f32,
+        tensors,
+        *(_address(t) for t in tensors),
+        tokens,
+        span,
+        count,
+        width,
+    )
+
+
 _FAILURES: dict[int, str] = {
     -1: "out of memory for its scratch rows",
     -2: "an index outside its table",
@@ -450,6 +483,7 @@ _BINDERS: dict[str, Binder] = {
     "stable_topk_into": _bind_stable_topk,
     "route_weights_into": _bind_route_weights,
     "index_scores_into": _bind_index_scores,
+    "pool_into": _bind_pool,
 }
 for _name, _bind in _BINDERS.items():
     _LIBRARY.impl(_name, _run_bound(_name, _bind), "CPU")
@@ -464,6 +498,7 @@ HC_MIX_INTO = torch.ops.dsv4.hc_mix_into.default
 STABLE_TOPK_INTO = torch.ops.dsv4.stable_topk_into.default
 SWIGLU_INTO = torch.ops.dsv4.swiglu_into.default
 LINEAR_INTO = torch.ops.dsv4.linear_into.default
+POOL_INTO = torch.ops.dsv4.pool_into.default
 GROUPED_LINEAR_INTO = torch.ops.dsv4.grouped_linear_into.default
 ROPE_INTO = torch.ops.dsv4.rope_into.default
 ROUTED_EXPERTS_INTO = torch.ops.dsv4.routed_experts_into.default

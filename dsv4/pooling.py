@@ -9,7 +9,9 @@ Entry ``w`` covers positions ``w*m .. w*m+m-1`` and becomes visible to the query
 - Overlapping (CSA and the indexer): projections are ``2*dim`` wide, split ``[a | b]``; entry
   ``w`` pools ``2m`` slots — the ``a`` halves of window ``w-1`` then the ``b`` halves of window
   ``w`` (window 0's ``a`` slots weigh nothing).
-The softmax runs per channel in fp32.
+The softmax runs per channel in fp32. On the CPU (float32 caches) gathering the window, the
+softmax and the weighted sum are one native op (``dsv4::pool_into``), which leaves a slot before
+the request's start out where the composite weighs it by an exact zero.
 
 Per-token formulation (what makes this capturable): every token of the step first writes its
 projections into the paged state (``CompressorCache.kv``/``gate``), then every token gathers
@@ -36,6 +38,7 @@ from torch import nn
 from dsv4.cache import CompressorCache
 from dsv4.layers import Linear, RMSNorm, as_dtype, read_rows
 from dsv4.metadata import AttentionMetadata
+from dsv4.native_ops import POOL_INTO, native_takes
 from dsv4.paging import EntryPages, Window, write_rows
 from dsv4.rope import RotaryEmbedding, RotaryTables
 
@@ -132,16 +135,21 @@ class WindowPooler(nn.Module):
         gate = self.gate_proj(hidden_states) + read_rows(self.position_bias, plan.phase)
         write_rows(cache.kv, write, kv)
         write_rows(cache.gate, write, gate)
+        kv_rows, gate_rows = cache.kv.view(-1, self.dim), cache.gate.view(-1, self.dim)
         if self.overlap:
-            halves = plan.window_slots * 2 + self.halves  # rows of the [2 * rows, dim] views
-            kv_w = read_rows(cache.kv.view(-1, self.dim), halves)
-            gate_w = read_rows(cache.gate.view(-1, self.dim), halves)
-            assert plan.before_start is not None
-            gate_w = torch.where(plan.before_start, float("-inf"), gate_w)
+            rows = plan.window_slots * 2 + self.halves  # rows of the [2 * rows, dim] views
+            masked = plan.before_start
         else:
-            kv_w = read_rows(cache.kv, plan.window_slots)
-            gate_w = read_rows(cache.gate, plan.window_slots)
-        weights = as_dtype(gate_w.softmax(dim=1, dtype=torch.float32), kv_w.dtype)
-        pooled = self.kv_norm((kv_w * weights).sum(dim=1))
-        entry = rope.rotate(pooled, entry_tables.last(self.dim))
+            rows, masked = plan.window_slots, None
+        contiguous = rows.is_contiguous() and (masked is None or masked.is_contiguous())
+        if contiguous and native_takes(kv_rows, gate_rows):  # on the CPU: one op
+            pooled = kv_rows.new_empty(rows.shape[0], self.dim)
+            POOL_INTO(pooled, kv_rows, gate_rows, rows, masked)
+        else:
+            kv_w, gate_w = read_rows(kv_rows, rows), read_rows(gate_rows, rows)
+            if masked is not None:
+                gate_w = torch.where(masked, float("-inf"), gate_w)
+            weights = as_dtype(gate_w.softmax(dim=1, dtype=torch.float32), kv_w.dtype)
+            pooled = (kv_w * weights).sum(dim=1)
+        entry = rope.rotate(self.kv_norm(pooled), entry_tables.last(self.dim))
         write_rows(cache.entries, plan.entry_rows, entry)
