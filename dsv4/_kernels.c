@@ -486,58 +486,94 @@ int64_t dsv4_routed_experts_f32(float *out, const float *x, const int64_t *exper
     return 0;
 }
 
-/* ---- Attention of decode-sized steps over gathered keys ---- */
+/* ---- Attention of decode-sized steps, keys read in place ---- */
 
-/* One softmax per (token, head) over the token's ``keys`` it may see and its head's sink
- * (``dsv4.attention``'s ``_attend_queries``): ``out[t, h] = sum over visible k of p_k *
- * keys[t, k]``, ``p_k = exp(l_k - m) / (sum over visible j of exp(l_j - m) + exp(sink_h - m))``,
- * ``l_k = (queries[t, h] . keys[t, k]) * scaling`` and ``m`` the largest of the visible logits and
- * the sink. A key the token may not see takes no part at all (where the composite weighs it by
- * an exact zero). ``queries`` and ``out`` are ``tokens`` x ``heads`` x ``width``, ``keys``
- * ``tokens`` x ``count`` x ``width`` and ``visible`` ``tokens`` x ``count`` bytes, contiguous; each
- * dot product is 8 partial sums (column i into sum i mod 8) added in order, then the columns past
- * the last multiple of 8. Returns 0, or -1 where scratch memory could not be allocated. */
-int64_t dsv4_attend_f32(float *out, const float *queries, const float *keys,
-                        const uint8_t *visible, const float *sinks, int64_t tokens, int64_t heads,
-                        int64_t count, int64_t width, float scaling) {
-    float *weights = malloc((size_t)(count > 0 ? count : 1) * sizeof(float));
-    if (weights == NULL) return -1;
+/* One token's attention: one softmax per head over the ``count`` keys (pointers) it may see
+ * (``seen``) and the head's sink, into ``out`` (``heads`` x ``width``); ``logits`` is scratch for
+ * ``count`` values. ``l_k = (q . key_k) * scaling``, each dot product 8 partial sums (column i
+ * into sum i mod 8) added in order, then the columns past the last multiple of 8;
+ * ``p_k = exp(l_k - m) / (sum over seen j of exp(l_j - m) + exp(sink - m))``, ``m`` the largest
+ * seen logit or the sink; ``out = sum over seen k of p_k * key_k``, keys in order. */
+static void attend_token(float *out, const float *queries, const float *const *keys,
+                         const uint8_t *seen, int64_t count, int64_t heads, int64_t width,
+                         const float *sinks, float scaling, float *logits) {
     const int64_t body = width - width % 8;
-    for (int64_t t = 0; t < tokens; ++t) {
-        const float *token_keys = keys + t * count * width;
-        const uint8_t *seen = visible + t * count;
-        for (int64_t h = 0; h < heads; ++h) {
-            const float *q = queries + (t * heads + h) * width;
-            float largest = sinks[h];
-            for (int64_t k = 0; k < count; ++k) {
-                if (!seen[k]) continue;
-                const float *key = token_keys + k * width;
-                float partial[8] = {0};
-                for (int64_t i = 0; i < body; i += 8)
-                    for (int l = 0; l < 8; ++l) partial[l] += q[i + l] * key[i + l];
-                float dot = 0.0f;
-                for (int l = 0; l < 8; ++l) dot += partial[l];
-                for (int64_t i = body; i < width; ++i) dot += q[i] * key[i];
-                weights[k] = dot * scaling;
-                largest = weights[k] > largest ? weights[k] : largest;
-            }
-            float total = 0.0f;
-            for (int64_t k = 0; k < count; ++k) {
-                if (!seen[k]) continue;
-                weights[k] = expf(weights[k] - largest);
-                total += weights[k];
-            }
-            total += expf(sinks[h] - largest);
-            float *dst = out + (t * heads + h) * width;
-            for (int64_t i = 0; i < width; ++i) dst[i] = 0.0f;
-            for (int64_t k = 0; k < count; ++k) {
-                if (!seen[k]) continue;
-                const float p = weights[k] / total, *key = token_keys + k * width;
-                for (int64_t i = 0; i < width; ++i) dst[i] += p * key[i];
-            }
+    for (int64_t h = 0; h < heads; ++h) {
+        const float *q = queries + h * width;
+        float largest = sinks[h];
+        for (int64_t k = 0; k < count; ++k) {
+            if (!seen[k]) continue;
+            const float *key = keys[k];
+            float partial[8] = {0};
+            for (int64_t i = 0; i < body; i += 8)
+                for (int l = 0; l < 8; ++l) partial[l] += q[i + l] * key[i + l];
+            float dot = 0.0f;
+            for (int l = 0; l < 8; ++l) dot += partial[l];
+            for (int64_t i = body; i < width; ++i) dot += q[i] * key[i];
+            logits[k] = dot * scaling;
+            largest = logits[k] > largest ? logits[k] : largest;
+        }
+        float total = 0.0f;
+        for (int64_t k = 0; k < count; ++k) {
+            if (!seen[k]) continue;
+            logits[k] = expf(logits[k] - largest);
+            total += logits[k];
+        }
+        total += expf(sinks[h] - largest);
+        float *dst = out + h * width;
+        for (int64_t i = 0; i < width; ++i) dst[i] = 0.0f;
+        for (int64_t k = 0; k < count; ++k) {
+            if (!seen[k]) continue;
+            const float p = logits[k] / total, *key = keys[k];
+            for (int64_t i = 0; i < width; ++i) dst[i] += p * key[i];
         }
     }
-    free(weights);
+}
+
+/* Attention of ``tokens`` queries (``tokens`` x ``heads`` x ``width``) over keys read in place
+ * (``dsv4.attention``'s ``_attend_queries``): token t's keys are rows ``key_rows[t, j]`` of the
+ * ``key_count`` x ``width`` table ``keys`` (its window, ``window`` per token), then rows
+ * ``entry_rows[t, j]`` of the ``entry_count`` x ``width`` table ``entries`` (``per_entries`` per
+ * token; none where ``entries`` is NULL), each taking part where its byte in ``key_seen`` /
+ * ``entry_seen`` is set (a key the token may not see is left out, where the composite weighs it
+ * by an exact zero). Everything is contiguous. Returns 0; -1 without scratch memory, -2 where a
+ * seen row is outside its table (``out`` is then untouched). */
+int64_t dsv4_attend_f32(float *out, const float *queries, const float *keys,
+                        const int64_t *key_rows, const uint8_t *key_seen, const float *entries,
+                        const int64_t *entry_rows, const uint8_t *entry_seen, const float *sinks,
+                        int64_t tokens, int64_t heads, int64_t width, int64_t key_count,
+                        int64_t window, int64_t entry_count, int64_t per_entries, float scaling) {
+    if (entries == NULL) per_entries = 0;
+    for (int64_t s = 0; s < tokens * window; ++s)
+        if (key_seen[s] && (key_rows[s] < 0 || key_rows[s] >= key_count)) return -2;
+    for (int64_t s = 0; s < tokens * per_entries; ++s)
+        if (entry_seen[s] && (entry_rows[s] < 0 || entry_rows[s] >= entry_count)) return -2;
+    const int64_t count = window + per_entries;
+    const float **pointers = malloc((size_t)(count > 0 ? count : 1) * sizeof(float *));
+    float *logits = malloc((size_t)(count > 0 ? count : 1) * sizeof(float));
+    uint8_t *seen = malloc((size_t)(count > 0 ? count : 1));
+    if (pointers == NULL || logits == NULL || seen == NULL) {
+        free(pointers);
+        free(logits);
+        free(seen);
+        return -1;
+    }
+    for (int64_t t = 0; t < tokens; ++t) {
+        for (int64_t j = 0; j < window; ++j) {
+            seen[j] = key_seen[t * window + j];
+            pointers[j] = seen[j] ? keys + key_rows[t * window + j] * width : NULL;
+        }
+        for (int64_t j = 0; j < per_entries; ++j) {
+            seen[window + j] = entry_seen[t * per_entries + j];
+            pointers[window + j] =
+                seen[window + j] ? entries + entry_rows[t * per_entries + j] * width : NULL;
+        }
+        attend_token(out + t * heads * width, queries + t * heads * width, pointers, seen, count,
+                     heads, width, sinks, scaling, logits);
+    }
+    free(pointers);
+    free(logits);
+    free(seen);
     return 0;
 }
 

@@ -272,32 +272,38 @@ class DeepseekV4Attention(nn.Module):
         them) into their rows of ``prepared.out``: each gathers its request's window keys and
         compressed entries."""
         cache, window = prepared.cache, prepared.window
-        keys = read_rows(cache.kv, rows(window.slots))
-        visible = rows(window.positions) >= 0
+        key_rows, visible = rows(window.slots), rows(window.positions) >= 0
         entries = prepared.entries
+        entry_table = entry_rows = entry_visible = None
         if entries is not None and cache.compressor is not None:
-            slots, entries_visible = rows(entries.slots), rows(entries.visible)
+            entry_rows, entry_visible = rows(entries.slots), rows(entries.visible)
             indexer = self.compressor.indexer if self.compressor is not None else None
             if indexer is not None and cache.indexer is not None:
                 assert entries.index_queries is not None and entries.index_weights is not None
                 chosen = indexer.select(
                     rows(entries.index_queries),
                     rows(entries.index_weights),
-                    read_rows(cache.indexer.entries, slots),
-                    entries_visible,
+                    read_rows(cache.indexer.entries, entry_rows),
+                    entry_visible,
                 )
-                slots = slots.gather(1, chosen)
-                entries_visible = entries_visible.gather(1, chosen)
+                entry_rows = entry_rows.gather(1, chosen)
+                entry_visible = entry_visible.gather(1, chosen)
+            entry_table = cache.compressor.entries
+        queries, out = rows(prepared.queries), rows(prepared.out)
+        # a window narrower than the one computed is a column slice: copied, so whether the
+        # native op runs never depends on how many queries a slice holds
+        parts = (cache.kv, key_rows.contiguous(), visible, entry_table, entry_rows, entry_visible)
+        if attend_takes(out, queries, self.sinks, *parts):
+            ATTEND_INTO(out, queries, *parts, self.sinks, self.scaling)
+            return
+        keys = read_rows(cache.kv, key_rows)
+        if entry_table is not None and entry_rows is not None and entry_visible is not None:
             # an entry a query cannot see weighs nothing, but its row may hold anything (a
             # block's unwritten rows, or NaN left by a request that failed): 0 * NaN is NaN
-            entry_keys = read_rows(cache.compressor.entries, slots)
-            entry_keys = torch.where(entries_visible.unsqueeze(-1), entry_keys, 0.0)
+            entry_keys = read_rows(entry_table, entry_rows)
+            entry_keys = torch.where(entry_visible.unsqueeze(-1), entry_keys, 0.0)
             keys = torch.cat((keys, entry_keys), dim=1)
-            visible = torch.cat((visible, entries_visible), dim=1)
-        queries, out = rows(prepared.queries), rows(prepared.out)
-        if attend_takes(out, queries, keys, visible, self.sinks):
-            ATTEND_INTO(out, queries, keys, visible, self.sinks, self.scaling)
-            return
+            visible = torch.cat((visible, entry_visible), dim=1)
         logits = torch.einsum("thd,tkd->thk", queries, keys) * self.scaling
         logits = torch.where(visible.unsqueeze(1), logits, float("-inf"))
         sinks = self.sinks.view(1, -1, 1).expand(queries.shape[0], -1, 1)
@@ -309,18 +315,25 @@ class DeepseekV4Attention(nn.Module):
 def attend_takes(
     out: torch.Tensor,
     queries: torch.Tensor,
-    keys: torch.Tensor,
-    visible: torch.Tensor,
     sinks: torch.Tensor,
+    keys: torch.Tensor,
+    key_rows: torch.Tensor,
+    key_seen: torch.Tensor,
+    entries: torch.Tensor | None,
+    entry_rows: torch.Tensor | None,
+    entry_seen: torch.Tensor | None,
 ) -> bool:
-    """Whether the attention core runs as one native operator (``dsv4::attend_into``: logits,
-    mask, sink, softmax and weighted sum in one kernel, a key the token may not see left out):
-    float32 contiguous tensors on one CPU thread, a contiguous boolean mask."""
+    """Whether the attention core runs as one native operator (``dsv4::attend_into``: the keys
+    read in place from their tables, logits, mask, sink, softmax and weighted sum in one
+    kernel, a key the token may not see left out): float32 tables and queries on one CPU
+    thread, contiguous int64 rows and boolean masks."""
+    indices = [t for t in (key_rows, entry_rows) if t is not None]
+    masks = [t for t in (key_seen, entry_seen) if t is not None]
     return (
         torch.get_num_threads() == 1
-        and visible.dtype == torch.bool
-        and visible.is_contiguous()
-        and native_takes(out, queries, keys, sinks)
+        and all(t.dtype == torch.int64 and t.is_contiguous() for t in indices)
+        and all(t.dtype == torch.bool and t.is_contiguous() for t in masks)
+        and native_takes(out, queries, keys, entries, sinks)
     )
 
 

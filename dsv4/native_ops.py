@@ -56,8 +56,8 @@ _LIBRARY.define(
     "Tensor gate_up, Tensor down, float limit) -> ()"
 )
 _LIBRARY.define(
-    "attend_into(Tensor(a!) out, Tensor queries, Tensor keys, Tensor visible, Tensor sinks, "
-    "float scaling) -> ()"
+    "attend_into(Tensor(a!) out, Tensor queries, Tensor keys, Tensor key_rows, Tensor key_seen, "
+    "Tensor? entries, Tensor? entry_rows, Tensor? entry_seen, Tensor sinks, float scaling) -> ()"
 )
 _LIBRARY.define(
     "route_weights_into(Tensor(a!) out, Tensor scores, Tensor experts, float scaling) -> ()"
@@ -318,31 +318,53 @@ def _bind_attend(
     out: torch.Tensor,
     queries: torch.Tensor,
     keys: torch.Tensor,
-    visible: torch.Tensor,
+    key_rows: torch.Tensor,
+    key_seen: torch.Tensor,
+    entries: torch.Tensor | None,
+    entry_rows: torch.Tensor | None,
+    entry_seen: torch.Tensor | None,
     sinks: torch.Tensor,
     scaling: float,
 ) -> BoundCall:
     assert KERNELS is not None
     tokens, heads, width = queries.shape
+    with_entries = entries is not None and entry_rows is not None and entry_seen is not None
+    per_entries = entry_rows.shape[1] if with_entries and entry_rows is not None else 0
     _require(
         out.shape == queries.shape
-        and keys.dim() == 3
-        and keys.shape[0] == tokens
-        and keys.shape[2] == width
-        and visible.shape == keys.shape[:2]
-        and sinks.shape == (heads,),
+        and keys.dim() == 2
+        and keys.shape[1] == width
+        and key_rows.dim() == 2
+        and key_rows.shape[0] == tokens
+        and key_seen.shape == key_rows.shape
+        and sinks.shape == (heads,)
+        and (entries is None) == (entry_rows is None) == (entry_seen is None)
+        and (
+            not with_entries
+            or (
+                entries is not None
+                and entry_rows is not None
+                and entry_seen is not None
+                and entries.dim() == 2
+                and entries.shape[1] == width
+                and entry_rows.shape == entry_seen.shape == (tokens, per_entries)
+            )
+        ),
         "attend_into",
-        "out like queries [T, H, D], keys [T, K, D], visible [T, K], sinks [H]",
+        "out like queries [T, H, D], key tables [N, D], rows and seen [T, W] and [T, E], sinks [H]",
     )
-    tensors = (out, queries, keys, visible, sinks)
+    tensors = (out, queries, keys, key_rows, key_seen, entries, entry_rows, entry_seen, sinks)
     return bound_call(
         KERNELS.dsv4_attend_f32,
         tensors,
-        *(t.data_ptr() for t in tensors),
+        *(_address(t) for t in tensors),
         tokens,
         heads,
-        keys.shape[1],
         width,
+        keys.shape[0],
+        key_rows.shape[1],
+        entries.shape[0] if entries is not None else 0,
+        per_entries,
         scaling,
     )
 
