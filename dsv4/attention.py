@@ -94,6 +94,12 @@ class _Prepared:
     out: torch.Tensor
 
 
+def _identity(t: torch.Tensor) -> tuple[object, ...]:
+    """A step-unique name of ``t``'s values, for ``ForwardContext.once`` keys: its address,
+    shape and strides (every layer is handed the same positions)."""
+    return (t.data_ptr(), tuple(t.shape), t.stride())
+
+
 def _metadata(ctx: ForwardContext) -> AttentionMetadata:
     metadata = ctx.attn_metadata
     if not isinstance(metadata, AttentionMetadata):
@@ -175,13 +181,18 @@ class DeepseekV4Attention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` -> ``[T, hidden]`` at ``positions``; the metadata, caches and region
         come from the forward context."""
-        region = self._region(get_forward_context().eager_region)
+        ctx = get_forward_context()
+        region = self._region(ctx.eager_region)
         tokens = hidden_states.shape[0]
         q_residual = self.q_a_norm(self.q_a_proj(hidden_states))
         kv = self.kv_proj(hidden_states)
         out = hidden_states.new_empty(tokens, self.num_heads, self.head_dim)
         query_positions = positions.unsqueeze(-1)
-        tables = self.rope.tables(query_positions, hidden_states.dtype)
+        dtype = hidden_states.dtype
+        tables = ctx.once(
+            ("query rope rows", self.rope.signature, dtype, _identity(positions)),
+            lambda: self.rope.tables(query_positions, dtype),
+        )
         heads = tables.per_head()
         attended = region(
             positions, query_positions, hidden_states, q_residual, kv, out, tables, heads
@@ -205,33 +216,56 @@ class DeepseekV4Attention(nn.Module):
         metadata, cache = _metadata(ctx), _layer_cache(ctx, self.layer_idx, self.num_layers)
         q = self.q_b_proj(q_residual).unflatten(-1, (self.num_heads, self.head_dim))
         q = self.rope.rotate(rms_normalize(q, self.eps), heads.last(self.head_dim))
-        write = sink_rows(metadata.slot_mapping, cache.kv)
+        # every cache of the model has the same rows, so every layer writes the same rows
+        write = ctx.once(
+            ("cache rows written", cache.kv.shape[0]),
+            lambda: sink_rows(metadata.slot_mapping, cache.kv),
+        )
         write_rows(cache.kv, write, self.rope.rotate(self.kv_norm(kv), tables.last(self.head_dim)))
         block_size = metadata.block_size
-        blocks = request_blocks(metadata)
+        at = _identity(query_positions)
         compressor = self.compressor
         span = compressor.span if compressor is not None else 0
         # one window serves attention and pooling: its trailing sliding_window / span positions
-        window = Window.ending_at(
-            query_positions, max(self.sliding_window, span), blocks, block_size
+        length = max(self.sliding_window, span)
+        window = ctx.once(
+            ("window", length, at),
+            lambda: Window.ending_at(
+                query_positions,
+                length,
+                ctx.once(("request blocks",), lambda: request_blocks(metadata)),
+                block_size,
+            ),
         )
         prepared = _Prepared(
             cache=cache, queries=q, window=window.last(self.sliding_window), entries=None, out=out
         )
         if compressor is None or cache.compressor is None:
             return prepared
-        rate = compressor.rate
-        entry_pages = EntryPages.of(metadata, self.entry_stride)
-        plan = PoolingPlan.build(
-            positions,
-            rate,
-            window.last(span),
-            metadata.slot_mapping >= 0,
-            entry_pages,
-            cache.compressor.entries.shape[0] - 1,
-            overlap=compressor.overlap,
+        rate, stride, overlap = compressor.rate, self.entry_stride, compressor.overlap
+        entry_pages = ctx.once(("entry pages", stride), lambda: EntryPages.of(metadata, stride))
+        entry_sink = cache.compressor.entries.shape[0] - 1
+        plan = ctx.once(
+            ("pooling plan", rate, stride, length, span, overlap, entry_sink, at),
+            lambda: PoolingPlan.build(
+                positions,
+                rate,
+                window.last(span),
+                metadata.slot_mapping >= 0,
+                entry_pages,
+                entry_sink,
+                overlap=overlap,
+            ),
         )
-        entry_tables = self.rope.tables(plan.entry_positions.unsqueeze(-1), hidden_states.dtype)
+        entry_tables = ctx.once(
+            (
+                "entry rope rows",
+                self.rope.signature,
+                hidden_states.dtype,
+                _identity(plan.entry_positions),
+            ),
+            lambda: self.rope.tables(plan.entry_positions.unsqueeze(-1), hidden_states.dtype),
+        )
         compressor.update(hidden_states, write, plan, cache.compressor, self.rope, entry_tables)
         index_queries = index_weights = None
         indexer = compressor.indexer
@@ -244,12 +278,15 @@ class DeepseekV4Attention(nn.Module):
         capacity = entry_capacity(metadata, rate)
         if capacity == 0:
             return prepared
-        ends = entry_ends(capacity, rate, positions.device)
+        slots, visible = ctx.once(
+            ("entries", rate, stride, capacity, at),
+            lambda: (
+                entry_pages.rows(torch.arange(capacity, device=positions.device)),
+                entry_ends(capacity, rate, positions.device) <= query_positions,
+            ),
+        )
         entries = _Entries(
-            slots=entry_pages.rows(torch.arange(capacity, device=positions.device)),
-            visible=ends <= query_positions,
-            index_queries=index_queries,
-            index_weights=index_weights,
+            slots=slots, visible=visible, index_queries=index_queries, index_weights=index_weights
         )
         return attrs.evolve(prepared, entries=entries)
 

@@ -472,11 +472,11 @@ def _bind_pool(
     )
 
 
-_FAILURES: dict[int, str] = {
-    -1: "out of memory for its scratch rows",
-    -2: "an index outside its table",
+_FAILURES: dict[int, tuple[type[Exception], str]] = {
+    -1: (MemoryError, "out of memory for its scratch rows"),
+    -2: (IndexError, "index out of range: an index outside its table"),
 }
-"""What a kernel's negative status means (``dsv4/_kernels.c``)."""
+"""What a kernel's negative status means (``dsv4/_kernels.c``), raised as ATen raises it."""
 
 
 def _run_bound(name: str, bind: Binder) -> Callable[..., None]:
@@ -486,7 +486,8 @@ def _run_bound(name: str, bind: Binder) -> Callable[..., None]:
     def kernel(*args: Any) -> None:
         status = bind(*args)()
         if isinstance(status, int) and status != 0:
-            raise RuntimeError(f"dsv4::{name} failed: {_FAILURES.get(status, str(status))}")
+            error, what = _FAILURES.get(status, (RuntimeError, f"status {status}"))
+            raise error(f"dsv4::{name} failed: {what}")
 
     return kernel
 

@@ -136,6 +136,9 @@ class RotaryEmbedding(nn.Module):
             {str(w): _WidthTables(w, self.inv_freq, self.scaling) for w in widths}
         )
         self.width = max(widths, default=0)
+        self.signature: tuple[object, ...] = (dim, theta, yarn, self.width)
+        """What ``tables`` depends on beyond the positions and the dtype: modules with equal
+        signatures build equal rows (``dsv4.attention`` shares them within a step)."""
 
     def _rows(self, width: int) -> _WidthTables:
         rows = self.widths[str(width)]

@@ -12,20 +12,27 @@ Invariants:
   the step being replayed; captured work saw the context once, at capture (the region included:
   which part of a layer is captured is decided when it is captured).
 - Contexts nest and are restored on exit; outside any ``forward_context`` reading raises.
+- ``once`` shares a value the layers of one step would each compute alike (addresses derived
+  from the metadata, RoPE rows of the step's positions). A context is made anew for every step,
+  capture and replay, so a shared value never outlives its step; and since every layer composes
+  the same region, a value is computed and reused on the same side of every graph break (all
+  captured, or all eager and recomputed on replay).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any, TypeVar
 
 import attrs
 
 from graphs.strategies import EagerRegionStrategy, NoGraph
 
 __all__ = ["ForwardContext", "forward_context", "get_forward_context"]
+
+T = TypeVar("T")
 
 
 @attrs.frozen(kw_only=True)
@@ -49,6 +56,17 @@ class ForwardContext:
     kv_caches: Any = None
     eager_region: EagerRegionStrategy = attrs.field(factory=NoGraph)
     collectives_in_graph: bool = True
+    step_values: dict[Hashable, Any] = attrs.field(factory=dict, repr=False, eq=False)
+    """What ``once`` computed in this step, by key."""
+
+    def once(self, key: Hashable, compute: Callable[[], T]) -> T:
+        """``compute()``, computed the first time this step asks for ``key`` and shared after
+        (see the module docstring). The key must name everything the value depends on beyond
+        the step's metadata."""
+        if key not in self.step_values:
+            self.step_values[key] = compute()
+        value: T = self.step_values[key]
+        return value
 
 
 _state = threading.local()
