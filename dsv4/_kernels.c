@@ -707,3 +707,35 @@ int64_t dsv4_pool_f32(float *out, const float *kv, const float *gate, const int6
     free(largest);
     return 0;
 }
+
+/* ---- Fused sequences of the kernels above: the same calls in the same order, one op ---- */
+
+/* A hyper-connection's mixing weights and its block's input (``dsv4.hyper.HyperConnection``)
+ * from ``rows`` streams ``x`` (``rows`` x n x ``hidden``, contiguous): the unweighted RMS norm of
+ * each token's flattened streams into ``flat``, their product with ``fn`` ((2 + n) * n x
+ * n * ``hidden``) into ``logits``, the weights into ``pre``, ``post`` and ``bordered``, then the
+ * collapse into ``collapsed``: exactly ``dsv4_rms_norm_f32``, ``linear_rows``,
+ * ``dsv4_hc_weights_f32`` and ``dsv4_hc_collapse_f32`` run one after the other. */
+void dsv4_hc_pre_f32(float *pre, float *post, float *bordered, float *collapsed, float *flat,
+                     float *logits, const float *x, const float *fn, const float *scale,
+                     const float *base, int64_t rows, int64_t n, int64_t hidden,
+                     float norm_eps, float eps, int64_t iters) {
+    const int64_t width = n * hidden, mixing = (2 + n) * n;
+    dsv4_rms_norm_f32(flat, x, NULL, rows, width, norm_eps);
+    linear_rows(logits, mixing, flat, width, fn, rows, mixing, width);
+    dsv4_hc_weights_f32(pre, post, bordered, logits, scale, base, rows, n, eps, iters);
+    dsv4_hc_collapse_f32(collapsed, pre, x, rows, n, hidden);
+}
+
+/* A SwiGLU MLP (``dsv4.moe.SharedExpert``) on ``rows`` rows of ``x`` (``rows`` x ``hidden``):
+ * ``gate`` and ``up`` products (``inter`` x ``hidden`` weights) into ``gated`` and ``upped``,
+ * their clamped SwiGLU into ``activated``, the ``down`` product (``hidden`` x ``inter``) into
+ * ``out``: exactly ``linear_rows``, ``linear_rows``, ``dsv4_swiglu_f32``, ``linear_rows``. */
+void dsv4_swiglu_mlp_f32(float *out, float *gated, float *upped, float *activated,
+                         const float *x, const float *gate, const float *up, const float *down,
+                         int64_t rows, int64_t hidden, int64_t inter, float limit) {
+    linear_rows(gated, inter, x, hidden, gate, rows, inter, hidden);
+    linear_rows(upped, inter, x, hidden, up, rows, inter, hidden);
+    dsv4_swiglu_f32(activated, gated, inter, upped, inter, rows, inter, limit);
+    linear_rows(out, hidden, activated, inter, down, rows, hidden, inter);
+}

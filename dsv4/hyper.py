@@ -26,11 +26,12 @@ import functools
 import torch
 from torch import nn
 
-from dsv4.layers import as_dtype, linear, rms_norm
+from dsv4.layers import as_dtype, linear, rms_norm, skinny
 from dsv4.native import KERNELS
 from dsv4.native_ops import (
     HC_COLLAPSE_INTO,
     HC_MIX_INTO,
+    HC_PRE_INTO,
     HC_WEIGHTS_INTO,
     bound_call,
     native_takes,
@@ -128,6 +129,29 @@ class HyperConnection(nn.Module):
         """``streams [T, n, hidden]`` -> ``post [T, n]``, ``comb^T [T, n, n]``, block input."""
         n, tokens, eps = self.hc_mult, streams.shape[0], self.eps
         x = as_dtype(streams, torch.float32)
+        width = x.shape[1] * x.shape[2]
+        if native_takes(x, self.fn, self.scale, self.base) and skinny(x, width):
+            # a decode step: norm, product, weights and collapse in one native op
+            pre, post = x.new_empty(tokens, n), x.new_empty(tokens, n)
+            bordered = x.new_empty(tokens, n + 1, n + 1)
+            collapsed, flat = x.new_empty(tokens, x.shape[-1]), x.new_empty(tokens, width)
+            logits = x.new_empty(tokens, self.fn.shape[0])
+            HC_PRE_INTO(
+                pre,
+                post,
+                bordered,
+                collapsed,
+                flat,
+                logits,
+                x,
+                self.fn,
+                self.scale,
+                self.base,
+                self.norm_eps,
+                eps,
+                self.sinkhorn_iters,
+            )
+            return post, bordered[:, :n, :n].transpose(1, 2), as_dtype(collapsed, streams.dtype)
         flat = rms_norm(x.flatten(1), None, self.norm_eps)
         if native_takes(x, self.scale, self.base):  # the weights, then the collapse: two ops
             logits = linear(flat, self.fn)

@@ -26,6 +26,7 @@ __all__ = [
     "read_rows",
     "rms_norm",
     "rms_normalize",
+    "skinny",
 ]
 
 SKINNY_ROWS = 4
@@ -44,8 +45,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-def _skinny(x: torch.Tensor, row_width: int) -> bool:
-    """Whether ``x`` is at most ``SKINNY_ROWS`` rows of ``row_width`` values, on one thread."""
+def skinny(x: torch.Tensor, row_width: int) -> bool:
+    """Whether ``x`` is at most ``SKINNY_ROWS`` rows of ``row_width`` values, on one thread: the
+    products the native kernel runs (``linear``)."""
     rows = x.numel() // row_width if row_width else 0
     return 0 < rows <= SKINNY_ROWS and torch.get_num_threads() == 1
 
@@ -55,8 +57,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     one CPU thread (a decode step) take the native kernel, one op whose rows do not depend on
     each other; anything else takes ATen's. (The thread count is read when the op is issued, so a
     graph keeps the choice of its capture.)"""
-    skinny = x.dim() > 0 and weight.dim() == 2 and _skinny(x, x.shape[-1])
-    if skinny and native_takes(x, weight):
+    few = x.dim() > 0 and weight.dim() == 2 and skinny(x, x.shape[-1])
+    if few and native_takes(x, weight):
         out = x.new_empty(*x.shape[:-1], weight.shape[0])
         LINEAR_INTO(out, x, weight)
         return out
@@ -127,7 +129,7 @@ class GroupedLinear(nn.Module):
         """Like ``linear``: a decode step's few float32 rows on one CPU thread take one native
         op (each group's weights read once for all rows), anything else ATen's ``einsum``."""
         w = self.weight.view(self.groups, -1, self.weight.shape[-1])
-        if x.dim() > 1 and _skinny(x, x.shape[-1] * x.shape[-2]) and native_takes(x, w):
+        if x.dim() > 1 and skinny(x, x.shape[-1] * x.shape[-2]) and native_takes(x, w):
             out = x.new_empty(*x.shape[:-1], w.shape[1])
             GROUPED_LINEAR_INTO(out, x, w)
             return out

@@ -32,8 +32,8 @@ from torch import nn
 from dsv4.config import DeepseekV4Config
 from dsv4.expert_kernels import swiglu
 from dsv4.experts import DENSE_CHUNK_BYTES, ExpertFormulations, Experts
-from dsv4.layers import Linear, as_dtype, linear, read_rows
-from dsv4.native_ops import ROUTE_WEIGHTS_INTO, native_takes
+from dsv4.layers import Linear, as_dtype, linear, read_rows, skinny
+from dsv4.native_ops import ROUTE_WEIGHTS_INTO, SWIGLU_MLP_INTO, native_takes
 from dsv4.parallel import SINGLE, TensorParallel
 from dsv4.selection import stable_topk
 
@@ -56,6 +56,17 @@ class SharedExpert(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = [
+            getattr(p, "weight", None) for p in (self.gate_proj, self.up_proj, self.down_proj)
+        ]
+        plain = all(type(p) is Linear for p in (self.gate_proj, self.up_proj, self.down_proj))
+        if plain and x.dim() == 2 and skinny(x, x.shape[-1]) and native_takes(x, *weights):
+            # a decode step: the three products and the activation in one native op
+            inter = self.gate_proj.weight.shape[0]
+            gated, upped, activated = (x.new_empty(x.shape[0], inter) for _ in range(3))
+            out = torch.empty_like(x)
+            SWIGLU_MLP_INTO(out, gated, upped, activated, x, *weights, self.limit)
+            return out
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 

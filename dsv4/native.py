@@ -37,6 +37,8 @@ _SIGNATURES: dict[str, list[type]] = {
     "dsv4_attend_f32": [_POINTER] * 9 + [_SIZE] * 7 + [_FLOAT],
     "dsv4_index_scores_f32": [_POINTER] * 5 + [_SIZE] * 4 + [_FLOAT],
     "dsv4_pool_f32": [_POINTER] * 5 + [_SIZE] * 4,
+    "dsv4_hc_pre_f32": [_POINTER] * 10 + [_SIZE] * 3 + [_FLOAT] * 2 + [_SIZE],
+    "dsv4_swiglu_mlp_f32": [_POINTER] * 8 + [_SIZE] * 3 + [_FLOAT],
 }
 """Each kernel's C parameters (pointers, ``int64_t`` sizes, ``float`` scalars)."""
 

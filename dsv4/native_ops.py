@@ -24,6 +24,7 @@ __all__ = [
     "GROUPED_LINEAR_INTO",
     "HC_COLLAPSE_INTO",
     "HC_MIX_INTO",
+    "HC_PRE_INTO",
     "HC_WEIGHTS_INTO",
     "INDEX_SCORES_INTO",
     "LINEAR_INTO",
@@ -34,6 +35,7 @@ __all__ = [
     "ROUTE_WEIGHTS_INTO",
     "STABLE_TOPK_INTO",
     "SWIGLU_INTO",
+    "SWIGLU_MLP_INTO",
     "bound_call",
     "native_takes",
     "row_stride",
@@ -68,6 +70,15 @@ _LIBRARY.define(
 )
 _LIBRARY.define(
     "pool_into(Tensor(a!) out, Tensor kv, Tensor gate, Tensor rows, Tensor? masked) -> ()"
+)
+_LIBRARY.define(
+    "hc_pre_into(Tensor(a!) pre, Tensor(b!) post, Tensor(c!) bordered, Tensor(d!) collapsed, "
+    "Tensor(e!) flat, Tensor(f!) logits, Tensor x, Tensor fn, Tensor scale, Tensor base, "
+    "float norm_eps, float eps, int iters) -> ()"
+)
+_LIBRARY.define(
+    "swiglu_mlp_into(Tensor(a!) out, Tensor(b!) gated, Tensor(c!) upped, Tensor(d!) activated, "
+    "Tensor x, Tensor gate, Tensor up, Tensor down, float limit) -> ()"
 )
 _LIBRARY.define("stable_topk_into(Tensor(a!) out, Tensor scores) -> ()")
 _LIBRARY.define("swiglu_into(Tensor(a!) out, Tensor gate, Tensor up, float limit) -> ()")
@@ -472,6 +483,84 @@ def _bind_pool(
     )
 
 
+def _bind_hc_pre(
+    pre: torch.Tensor,
+    post: torch.Tensor,
+    bordered: torch.Tensor,
+    collapsed: torch.Tensor,
+    flat: torch.Tensor,
+    logits: torch.Tensor,
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    norm_eps: float,
+    eps: float,
+    iters: int,
+) -> BoundCall:
+    assert KERNELS is not None
+    tokens, n, hidden = x.shape
+    mixing = (2 + n) * n
+    _require(
+        pre.shape == post.shape == (tokens, n)
+        and bordered.shape == (tokens, n + 1, n + 1)
+        and collapsed.shape == (tokens, hidden)
+        and flat.shape == (tokens, n * hidden)
+        and logits.shape == (tokens, mixing)
+        and fn.shape == (mixing, n * hidden)
+        and scale.shape == (3,)
+        and base.shape == (mixing,),
+        "hc_pre_into",
+        "x [T, n, D], fn [(2 + n) n, n D], scale [3], base [(2 + n) n] and outputs to match",
+    )
+    tensors = (pre, post, bordered, collapsed, flat, logits, x, fn, scale, base)
+    return bound_call(
+        KERNELS.dsv4_hc_pre_f32,
+        tensors,
+        *(t.data_ptr() for t in tensors),
+        tokens,
+        n,
+        hidden,
+        norm_eps,
+        eps,
+        iters,
+    )
+
+
+def _bind_swiglu_mlp(
+    out: torch.Tensor,
+    gated: torch.Tensor,
+    upped: torch.Tensor,
+    activated: torch.Tensor,
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    limit: float,
+) -> BoundCall:
+    assert KERNELS is not None
+    tokens, hidden = x.shape
+    inter = gate.shape[0]
+    _require(
+        gate.shape == up.shape == (inter, hidden)
+        and down.shape == (hidden, inter)
+        and out.shape == x.shape
+        and gated.shape == upped.shape == activated.shape == (tokens, inter),
+        "swiglu_mlp_into",
+        "x [T, D], gate and up [I, D], down [D, I] and outputs to match",
+    )
+    tensors = (out, gated, upped, activated, x, gate, up, down)
+    return bound_call(
+        KERNELS.dsv4_swiglu_mlp_f32,
+        tensors,
+        *(t.data_ptr() for t in tensors),
+        tokens,
+        hidden,
+        inter,
+        limit,
+    )
+
+
 _FAILURES: dict[int, tuple[type[Exception], str]] = {
     -1: (MemoryError, "out of memory for its scratch rows"),
     -2: (IndexError, "index out of range: an index outside its table"),
@@ -507,6 +596,8 @@ _BINDERS: dict[str, Binder] = {
     "route_weights_into": _bind_route_weights,
     "index_scores_into": _bind_index_scores,
     "pool_into": _bind_pool,
+    "hc_pre_into": _bind_hc_pre,
+    "swiglu_mlp_into": _bind_swiglu_mlp,
 }
 for _name, _bind in _BINDERS.items():
     _LIBRARY.impl(_name, _run_bound(_name, _bind), "CPU")
@@ -516,10 +607,12 @@ ATTEND_INTO = torch.ops.dsv4.attend_into.default
 RMS_NORM_INTO = torch.ops.dsv4.rms_norm_into.default
 HC_WEIGHTS_INTO = torch.ops.dsv4.hc_weights_into.default
 HC_COLLAPSE_INTO = torch.ops.dsv4.hc_collapse_into.default
+HC_PRE_INTO = torch.ops.dsv4.hc_pre_into.default
 INDEX_SCORES_INTO = torch.ops.dsv4.index_scores_into.default
 HC_MIX_INTO = torch.ops.dsv4.hc_mix_into.default
 STABLE_TOPK_INTO = torch.ops.dsv4.stable_topk_into.default
 SWIGLU_INTO = torch.ops.dsv4.swiglu_into.default
+SWIGLU_MLP_INTO = torch.ops.dsv4.swiglu_mlp_into.default
 LINEAR_INTO = torch.ops.dsv4.linear_into.default
 POOL_INTO = torch.ops.dsv4.pool_into.default
 GROUPED_LINEAR_INTO = torch.ops.dsv4.grouped_linear_into.default

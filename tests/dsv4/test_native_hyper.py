@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from dsv4 import native
 from dsv4.hyper import HyperConnection, HyperHead, mix
+from dsv4.layers import SKINNY_ROWS, linear, rms_norm
+from dsv4.native_ops import HC_COLLAPSE_INTO, HC_WEIGHTS_INTO
 from graphs.op_count import OpCounter
 
 pytestmark = pytest.mark.skipif(native.KERNELS is None, reason=native.reason)
@@ -61,25 +63,35 @@ def test_the_native_mixing_weights_collapse_and_mix_equal_atens(
     assert bool(((aten.double() - (spread_term + carried)).abs() <= bound).all())
 
 
-def test_a_hyper_connection_is_four_native_ops_and_the_mix_one() -> None:
+def test_a_decode_steps_hyper_connection_is_one_native_op_and_the_mix_one() -> None:
+    """Up to ``SKINNY_ROWS`` tokens on one thread, the norm, the mixing logits' product, the
+    weights and the collapse are one op (``hc_pre_into``), equal bit for bit to the four native
+    ops it runs in order, which a step of more tokens issues (its product then MKL's)."""
     hc, streams, output = _hyper(4, 32, 20, 0.5, 0), torch.randn(2, 4, 32), torch.randn(2, 32)
     counter, mixing = OpCounter(), OpCounter()
     with torch.inference_mode():
         with counter:
-            post, comb_t, _ = hc(streams)
+            post, comb_t, collapsed = hc(streams)
         with mixing:
             mix(streams, post, comb_t, output)
-    kernels = {k: v for k, v in counter.by_name.items() if k not in _VIEWS_AND_EMPTY}
-    # the mixing logits' product of 2 rows is the native skinny one (dsv4.layers.linear)
-    assert kernels == {
-        "rms_norm_into": 1,
-        "linear_into": 1,
-        "hc_weights_into": 1,
-        "hc_collapse_into": 1,
+        flat = rms_norm(streams.flatten(1), None, hc.norm_eps)
+        logits = linear(flat, hc.fn)
+        pre, post_apart = torch.empty(2, 4), torch.empty(2, 4)
+        bordered, collapsed_apart = torch.empty(2, 5, 5), torch.empty(2, 32)
+        HC_WEIGHTS_INTO(pre, post_apart, bordered, logits, hc.scale, hc.base, hc.eps, 20)
+        HC_COLLAPSE_INTO(collapsed_apart, pre, streams)
+        wider = OpCounter()
+        with wider:
+            hc(torch.randn(SKINNY_ROWS + 1, 4, 32))
+    assert {k: v for k, v in counter.by_name.items() if k not in _VIEWS_AND_EMPTY} == {
+        "hc_pre_into": 1
     }
+    assert torch.equal(post, post_apart) and torch.equal(collapsed, collapsed_apart)
+    assert torch.equal(comb_t, bordered[:, :4, :4].transpose(1, 2))
     assert {k: v for k, v in mixing.by_name.items() if k not in _VIEWS_AND_EMPTY} == {
         "hc_mix_into": 1
     }
+    assert {"rms_norm_into", "hc_weights_into", "hc_collapse_into"} <= set(wider.by_name)
 
 
 _VIEWS_AND_EMPTY = frozenset({"view", "t", "slice", "transpose", "empty_like", "new_empty"})

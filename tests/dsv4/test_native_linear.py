@@ -11,7 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dsv4 import native
+from dsv4.expert_kernels import swiglu
 from dsv4.layers import SKINNY_ROWS, GroupedLinear, linear
+from dsv4.moe import SharedExpert
 from graphs.op_count import OpCounter
 
 pytestmark = pytest.mark.skipif(native.KERNELS is None, reason=native.reason)
@@ -91,3 +93,25 @@ def test_the_grouped_product_is_each_groups_native_product(
     assert torch.equal(got, expected)
     assert all(torch.equal(got[m : m + 1], row) for m, row in enumerate(alone))
     torch.testing.assert_close(got, torch.einsum("...gi,goi->...go", x, weights))
+
+
+@given(rows=st.integers(1, SKINNY_ROWS + 1), seed=st.integers(0, 2**16))
+def test_a_decode_steps_shared_expert_is_one_op_equal_to_its_parts(rows: int, seed: int) -> None:
+    """Up to ``SKINNY_ROWS`` rows, the shared expert's three products and its activation are one
+    op (``swiglu_mlp_into``), the same kernels in the same order: equal bit for bit."""
+    generator = torch.Generator().manual_seed(seed)
+    expert = SharedExpert(40, 24, limit=1.5)
+    with torch.no_grad():
+        for parameter in expert.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) / 4)
+    x = torch.randn(rows, 40, generator=generator)
+    counter = OpCounter()
+    with torch.inference_mode():
+        with counter:
+            got = expert(x)
+        gate, up = linear(x, expert.gate_proj.weight), linear(x, expert.up_proj.weight)
+        parts = linear(swiglu(gate, up, 1.5), expert.down_proj.weight)
+    assert (counter.by_name["swiglu_mlp_into"] == 1) == (rows <= SKINNY_ROWS)
+    if rows <= SKINNY_ROWS:
+        assert torch.equal(got, parts)
+    torch.testing.assert_close(got, parts)
