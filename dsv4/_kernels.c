@@ -739,3 +739,29 @@ void dsv4_swiglu_mlp_f32(float *out, float *gated, float *upped, float *activate
     dsv4_swiglu_f32(activated, gated, inter, upped, inter, rows, inter, limit);
     linear_rows(out, hidden, activated, inter, down, rows, hidden, inter);
 }
+
+/* ---- Row copies ---- */
+
+/* ``out[i] = table[rows[i]]`` for ``count`` rows of ``row_bytes`` bytes (``index_select`` along
+ * the first axis of a contiguous table of ``table_rows`` rows; any dtype: bytes are copied).
+ * Returns 0, or -2 where an index is outside the table (``out`` is then untouched). */
+int64_t dsv4_gather_rows(char *out, const char *table, const int64_t *rows, int64_t count,
+                         int64_t table_rows, int64_t row_bytes) {
+    for (int64_t i = 0; i < count; ++i)
+        if (rows[i] < 0 || rows[i] >= table_rows) return -2;
+    for (int64_t i = 0; i < count; ++i)
+        memcpy(out + i * row_bytes, table + rows[i] * row_bytes, (size_t)row_bytes);
+    return 0;
+}
+
+/* ``table[rows[i]] = values[i]`` for ``count`` rows of ``row_bytes`` bytes, in order (a row
+ * written twice keeps the later value; ``index_copy_`` along the first axis). Returns 0, or -2
+ * where an index is outside the table (``table`` is then untouched). */
+int64_t dsv4_scatter_rows(char *table, const int64_t *rows, const char *values, int64_t count,
+                          int64_t table_rows, int64_t row_bytes) {
+    for (int64_t i = 0; i < count; ++i)
+        if (rows[i] < 0 || rows[i] >= table_rows) return -2;
+    for (int64_t i = 0; i < count; ++i)
+        memcpy(table + rows[i] * row_bytes, values + i * row_bytes, (size_t)row_bytes);
+    return 0;
+}

@@ -14,7 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv4.native_ops import GROUPED_LINEAR_INTO, LINEAR_INTO, RMS_NORM_INTO, native_takes
+from dsv4.native_ops import (
+    GATHER_ROWS_INTO,
+    GROUPED_LINEAR_INTO,
+    LINEAR_INTO,
+    RMS_NORM_INTO,
+    native_takes,
+    rows_take,
+)
 
 __all__ = [
     "SKINNY_ROWS",
@@ -82,8 +89,13 @@ def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def read_rows(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``table[rows]`` for an index tensor ``rows`` of any shape, as one ``index_select`` (which
-    costs less than advanced indexing, eagerly and on the CPU tape)."""
+    """``table[rows]`` for an index tensor ``rows`` of any shape, as one op: on the CPU a native
+    row copy (``gather_rows_into``) where ``rows_take``, else one ``index_select`` (which costs
+    less than advanced indexing, eagerly and on the CPU tape)."""
+    if rows_take(table, rows):
+        out = table.new_empty(*rows.shape, *table.shape[1:])
+        GATHER_ROWS_INTO(out, table, rows)
+        return out
     picked = table.index_select(0, rows.reshape(-1))
     return picked.view(*rows.shape, *table.shape[1:])
 

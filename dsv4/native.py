@@ -39,6 +39,8 @@ _SIGNATURES: dict[str, list[type]] = {
     "dsv4_pool_f32": [_POINTER] * 5 + [_SIZE] * 4,
     "dsv4_hc_pre_f32": [_POINTER] * 10 + [_SIZE] * 3 + [_FLOAT] * 2 + [_SIZE],
     "dsv4_swiglu_mlp_f32": [_POINTER] * 8 + [_SIZE] * 3 + [_FLOAT],
+    "dsv4_gather_rows": [_POINTER] * 3 + [_SIZE] * 3,
+    "dsv4_scatter_rows": [_POINTER] * 3 + [_SIZE] * 3,
 }
 """Each kernel's C parameters (pointers, ``int64_t`` sizes, ``float`` scalars)."""
 
@@ -49,6 +51,8 @@ _RETURNS: dict[str, type] = {
         "dsv4_attend_f32",
         "dsv4_route_weights_f32",
         "dsv4_pool_f32",
+        "dsv4_gather_rows",
+        "dsv4_scatter_rows",
     )
 }
 """Kernels that return a status (0, or negative where it did nothing); the others ``void``."""

@@ -11,6 +11,7 @@ each kernel rounds against those ATen ops is stated in ``dsv4/_kernels.c`` and d
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,7 @@ from graphs.bound_kernels import Binder, BoundCall, register_binder
 
 __all__ = [
     "ATTEND_INTO",
+    "GATHER_ROWS_INTO",
     "GROUPED_LINEAR_INTO",
     "HC_COLLAPSE_INTO",
     "HC_MIX_INTO",
@@ -33,12 +35,14 @@ __all__ = [
     "ROPE_INTO",
     "ROUTED_EXPERTS_INTO",
     "ROUTE_WEIGHTS_INTO",
+    "SCATTER_ROWS_",
     "STABLE_TOPK_INTO",
     "SWIGLU_INTO",
     "SWIGLU_MLP_INTO",
     "bound_call",
     "native_takes",
     "row_stride",
+    "rows_take",
 ]
 
 _LIBRARY = torch.library.Library("dsv4", "FRAGMENT")
@@ -80,6 +84,8 @@ _LIBRARY.define(
     "swiglu_mlp_into(Tensor(a!) out, Tensor(b!) gated, Tensor(c!) upped, Tensor(d!) activated, "
     "Tensor x, Tensor gate, Tensor up, Tensor down, float limit) -> ()"
 )
+_LIBRARY.define("gather_rows_into(Tensor(a!) out, Tensor table, Tensor rows) -> ()")
+_LIBRARY.define("scatter_rows_(Tensor(a!) table, Tensor rows, Tensor values) -> ()")
 _LIBRARY.define("stable_topk_into(Tensor(a!) out, Tensor scores) -> ()")
 _LIBRARY.define("swiglu_into(Tensor(a!) out, Tensor gate, Tensor up, float limit) -> ()")
 _LIBRARY.define(
@@ -99,6 +105,22 @@ def native_takes(*tensors: torch.Tensor | None, strided: torch.Tensor | None = N
     )
     return contiguous and (
         strided is None or (strided.dtype == torch.float32 and strided.device.type == "cpu")
+    )
+
+
+def rows_take(table: torch.Tensor, rows: torch.Tensor) -> bool:
+    """Whether a row copy of ``table`` (any dtype, contiguous, on the CPU, at least one axis) at
+    ``rows`` (contiguous int64) is one native op (``gather_rows_into``, ``scatter_rows_``): the
+    kernels were built and autograd is not recording. Bytes are copied, so it equals ATen's."""
+    return (
+        KERNELS is not None
+        and not torch.is_grad_enabled()
+        and table.device.type == "cpu"
+        and table.dim() > 0
+        and table.is_contiguous()
+        and rows.dtype == torch.int64
+        and rows.device.type == "cpu"
+        and rows.is_contiguous()
     )
 
 
@@ -561,6 +583,50 @@ def _bind_swiglu_mlp(
     )
 
 
+def _bind_gather_rows(out: torch.Tensor, table: torch.Tensor, rows: torch.Tensor) -> BoundCall:
+    assert KERNELS is not None
+    _require(
+        out.shape == (*rows.shape, *table.shape[1:])
+        and out.dtype == table.dtype
+        and out.is_contiguous(),
+        "gather_rows_into",
+        "out [*rows, *row] of the table's dtype, contiguous",
+    )
+    row_bytes = math.prod(table.shape[1:]) * table.element_size()
+    return bound_call(
+        KERNELS.dsv4_gather_rows,
+        (out, table, rows),
+        out.data_ptr(),
+        table.data_ptr(),
+        rows.data_ptr(),
+        rows.numel(),
+        table.shape[0],
+        row_bytes,
+    )
+
+
+def _bind_scatter_rows(table: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> BoundCall:
+    assert KERNELS is not None
+    _require(
+        values.shape == (*rows.shape, *table.shape[1:])
+        and values.dtype == table.dtype
+        and values.is_contiguous(),
+        "scatter_rows_",
+        "values [*rows, *row] of the table's dtype, contiguous",
+    )
+    row_bytes = math.prod(table.shape[1:]) * table.element_size()
+    return bound_call(
+        KERNELS.dsv4_scatter_rows,
+        (table, rows, values),
+        table.data_ptr(),
+        rows.data_ptr(),
+        values.data_ptr(),
+        rows.numel(),
+        table.shape[0],
+        row_bytes,
+    )
+
+
 _FAILURES: dict[int, tuple[type[Exception], str]] = {
     -1: (MemoryError, "out of memory for its scratch rows"),
     -2: (IndexError, "index out of range: an index outside its table"),
@@ -598,6 +664,8 @@ _BINDERS: dict[str, Binder] = {
     "pool_into": _bind_pool,
     "hc_pre_into": _bind_hc_pre,
     "swiglu_mlp_into": _bind_swiglu_mlp,
+    "gather_rows_into": _bind_gather_rows,
+    "scatter_rows_": _bind_scatter_rows,
 }
 for _name, _bind in _BINDERS.items():
     _LIBRARY.impl(_name, _run_bound(_name, _bind), "CPU")
@@ -616,6 +684,8 @@ SWIGLU_MLP_INTO = torch.ops.dsv4.swiglu_mlp_into.default
 LINEAR_INTO = torch.ops.dsv4.linear_into.default
 POOL_INTO = torch.ops.dsv4.pool_into.default
 GROUPED_LINEAR_INTO = torch.ops.dsv4.grouped_linear_into.default
+GATHER_ROWS_INTO = torch.ops.dsv4.gather_rows_into.default
+SCATTER_ROWS_ = torch.ops.dsv4.scatter_rows_.default
 ROPE_INTO = torch.ops.dsv4.rope_into.default
 ROUTED_EXPERTS_INTO = torch.ops.dsv4.routed_experts_into.default
 ROUTE_WEIGHTS_INTO = torch.ops.dsv4.route_weights_into.default

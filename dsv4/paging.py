@@ -26,6 +26,7 @@ import torch
 from dsv4.cache import entry_rows_per_block
 from dsv4.layers import as_dtype, read_rows
 from dsv4.metadata import AttentionMetadata
+from dsv4.native_ops import SCATTER_ROWS_, rows_take
 
 __all__ = ["EntryPages", "Window", "request_blocks", "sink_rows", "token_slots", "write_rows"]
 
@@ -103,5 +104,10 @@ def sink_rows(slots: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
 
 
 def write_rows(cache: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
-    """``cache[rows[i]] = values[i]`` for rows resolved by ``sink_rows``."""
-    cache.index_copy_(0, rows, as_dtype(values, cache.dtype))
+    """``cache[rows[i]] = values[i]`` for rows resolved by ``sink_rows``: one ``index_copy_``, on
+    the CPU a native row copy (``scatter_rows_``) where ``rows_take``."""
+    values = as_dtype(values, cache.dtype)
+    if rows_take(cache, rows) and values.is_contiguous():
+        SCATTER_ROWS_(cache, rows, values)
+        return
+    cache.index_copy_(0, rows, values)
