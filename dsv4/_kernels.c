@@ -765,3 +765,26 @@ int64_t dsv4_scatter_rows(char *table, const int64_t *rows, const char *values, 
         memcpy(table + rows[i] * row_bytes, values + i * row_bytes, (size_t)row_bytes);
     return 0;
 }
+
+/* The router (``dsv4.moe.Router``) from its ``tokens`` x ``width`` float32 ``logits``: the
+ * scores into ``scores`` (``sigmoid``: ``1 / (1 + exp(-l))``; otherwise ``sqrt(softplus(l))``,
+ * softplus as ATen's: ``l`` above 20, else ``log1p(exp(l))``; each may differ from ATen's in the
+ * last place); then, with a ``bias`` (``width`` values), the scores plus the bias into ``biased``
+ * and their top ``k`` into ``experts`` (``dsv4_stable_topk_f32``), or, without one (hash
+ * routing), the ``experts`` already there; then their weights (``dsv4_route_weights_f32``).
+ * Returns that kernel's status. */
+int64_t dsv4_route_f32(int64_t *experts, float *weights, float *scores, float *biased,
+                       const float *logits, const float *bias, int64_t tokens, int64_t width,
+                       int64_t k, int64_t sigmoid, float scaling) {
+    for (int64_t i = 0; i < tokens * width; ++i) {
+        const float l = logits[i];
+        scores[i] = sigmoid ? 1.0f / (1.0f + expf(-l)) : sqrtf(l > 20.0f ? l : log1pf(expf(l)));
+    }
+    if (bias != NULL) {
+        for (int64_t t = 0; t < tokens; ++t)
+            for (int64_t e = 0; e < width; ++e)
+                biased[t * width + e] = scores[t * width + e] + bias[e];
+        dsv4_stable_topk_f32(experts, biased, tokens, width, k);
+    }
+    return dsv4_route_weights_f32(weights, scores, experts, tokens, width, k, scaling);
+}

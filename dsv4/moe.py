@@ -33,7 +33,7 @@ from dsv4.config import DeepseekV4Config
 from dsv4.expert_kernels import swiglu
 from dsv4.experts import DENSE_CHUNK_BYTES, ExpertFormulations, Experts
 from dsv4.layers import Linear, as_dtype, linear, read_rows, skinny
-from dsv4.native_ops import ROUTE_WEIGHTS_INTO, SWIGLU_MLP_INTO, native_takes
+from dsv4.native_ops import ROUTE_INTO, SWIGLU_MLP_INTO, native_takes
 from dsv4.parallel import SINGLE, TensorParallel
 from dsv4.selection import stable_topk
 
@@ -93,8 +93,32 @@ class Router(nn.Module):
     def forward(
         self, x: torch.Tensor, input_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Chosen experts ``[T, k]`` and their weights ``[T, k]``."""
+        """Chosen experts ``[T, k]`` and their weights ``[T, k]``. On the CPU (float32) the
+        scores, the choice and the weights are one native op (``dsv4::route_into``), whose
+        scores may differ from ATen's in the last place (its ``exp``, ``log1p``)."""
         logits = linear(x, self.weight)
+        bias = None if self.hashed else self.e_score_correction_bias
+        if native_takes(logits, bias) and 0 < self.top_k <= logits.shape[-1]:
+            tokens = logits.shape[0]
+            if self.hashed:
+                experts = as_dtype(read_rows(self.tid2eid, input_ids), torch.int64).contiguous()
+            else:
+                experts = torch.empty(tokens, self.top_k, dtype=torch.int64)
+            weights, scores, biased = (
+                logits.new_empty(experts.shape),
+                *(torch.empty_like(logits) for _ in range(2)),
+            )
+            ROUTE_INTO(
+                experts,
+                weights,
+                scores,
+                biased,
+                logits,
+                bias,
+                self.scaling,
+                self.scoring_func == "sigmoid",
+            )
+            return experts, weights
         scores = (
             torch.sigmoid(logits) if self.scoring_func == "sigmoid" else F.softplus(logits).sqrt()
         )
@@ -103,10 +127,6 @@ class Router(nn.Module):
         else:
             biased = scores + self.e_score_correction_bias
             experts = stable_topk(biased, self.top_k)
-        if native_takes(scores) and experts.is_contiguous():  # on the CPU: one op
-            weights = scores.new_empty(experts.shape)
-            ROUTE_WEIGHTS_INTO(weights, scores, experts, self.scaling)
-            return experts, weights
         weights = scores.gather(1, experts)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return experts, weights * self.scaling

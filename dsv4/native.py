@@ -33,7 +33,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "dsv4_grouped_linear_f32": [_POINTER] * 3 + [_SIZE] * 4,
     "dsv4_routed_experts_f32": [_POINTER] * 6 + [_SIZE] * 5 + [_FLOAT],
     "dsv4_stable_topk_f32": [_POINTER] * 2 + [_SIZE] * 3,
-    "dsv4_route_weights_f32": [_POINTER] * 3 + [_SIZE] * 3 + [_FLOAT],
+    "dsv4_route_f32": [_POINTER] * 6 + [_SIZE] * 4 + [_FLOAT],
     "dsv4_attend_f32": [_POINTER] * 9 + [_SIZE] * 7 + [_FLOAT],
     "dsv4_index_scores_f32": [_POINTER] * 5 + [_SIZE] * 4 + [_FLOAT],
     "dsv4_pool_f32": [_POINTER] * 5 + [_SIZE] * 4,
@@ -49,7 +49,7 @@ _RETURNS: dict[str, type] = {
     for name in (
         "dsv4_routed_experts_f32",
         "dsv4_attend_f32",
-        "dsv4_route_weights_f32",
+        "dsv4_route_f32",
         "dsv4_pool_f32",
         "dsv4_gather_rows",
         "dsv4_scatter_rows",

@@ -34,7 +34,7 @@ __all__ = [
     "RMS_NORM_INTO",
     "ROPE_INTO",
     "ROUTED_EXPERTS_INTO",
-    "ROUTE_WEIGHTS_INTO",
+    "ROUTE_INTO",
     "SCATTER_ROWS_",
     "STABLE_TOPK_INTO",
     "SWIGLU_INTO",
@@ -66,7 +66,8 @@ _LIBRARY.define(
     "Tensor? entries, Tensor? entry_rows, Tensor? entry_seen, Tensor sinks, float scaling) -> ()"
 )
 _LIBRARY.define(
-    "route_weights_into(Tensor(a!) out, Tensor scores, Tensor experts, float scaling) -> ()"
+    "route_into(Tensor(a!) experts, Tensor(b!) weights, Tensor(c!) scores, Tensor(d!) biased, "
+    "Tensor logits, Tensor? bias, float scaling, bool sigmoid) -> ()"
 )
 _LIBRARY.define(
     "index_scores_into(Tensor(a!) out, Tensor queries, Tensor keys, Tensor weights, "
@@ -421,25 +422,36 @@ def _bind_stable_topk(out: torch.Tensor, scores: torch.Tensor) -> BoundCall:
     )
 
 
-def _bind_route_weights(
-    out: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor, scaling: float
+def _bind_route(
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    scores: torch.Tensor,
+    biased: torch.Tensor,
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    scaling: float,
+    sigmoid: bool,
 ) -> BoundCall:
     assert KERNELS is not None
-    tokens, k = experts.shape
+    tokens, width = logits.shape
+    k = experts.shape[-1]
     _require(
-        out.shape == experts.shape and scores.dim() == 2 and scores.shape[0] == tokens,
-        "route_weights_into",
-        "scores [T, E], out like experts [T, k]",
+        experts.shape == weights.shape == (tokens, k)
+        and 0 < k <= width
+        and scores.shape == biased.shape == logits.shape
+        and (bias is None or bias.shape == (width,)),
+        "route_into",
+        "logits, scores and biased [T, E], experts and weights [T, k], bias [E]",
     )
+    tensors = (experts, weights, scores, biased, logits, bias)
     return bound_call(
-        KERNELS.dsv4_route_weights_f32,
-        (out, scores, experts),
-        out.data_ptr(),
-        scores.data_ptr(),
-        experts.data_ptr(),
+        KERNELS.dsv4_route_f32,
+        tensors,
+        *(_address(t) for t in tensors),
         tokens,
-        scores.shape[-1],
+        width,
         k,
+        int(sigmoid),
         scaling,
     )
 
@@ -659,7 +671,7 @@ _BINDERS: dict[str, Binder] = {
     "routed_experts_into": _bind_routed_experts,
     "attend_into": _bind_attend,
     "stable_topk_into": _bind_stable_topk,
-    "route_weights_into": _bind_route_weights,
+    "route_into": _bind_route,
     "index_scores_into": _bind_index_scores,
     "pool_into": _bind_pool,
     "hc_pre_into": _bind_hc_pre,
@@ -688,4 +700,4 @@ GATHER_ROWS_INTO = torch.ops.dsv4.gather_rows_into.default
 SCATTER_ROWS_ = torch.ops.dsv4.scatter_rows_.default
 ROPE_INTO = torch.ops.dsv4.rope_into.default
 ROUTED_EXPERTS_INTO = torch.ops.dsv4.routed_experts_into.default
-ROUTE_WEIGHTS_INTO = torch.ops.dsv4.route_weights_into.default
+ROUTE_INTO = torch.ops.dsv4.route_into.default

@@ -23,7 +23,7 @@ from dsv4.config import DeepseekV4Config
 from dsv4.expert_kernels import bagged, grouped, grouped_fits, routed, routed_takes
 from dsv4.experts import BAG_SLOTS_PER_EXPERT
 from dsv4.moe import Experts, Router
-from dsv4.native_ops import ROUTE_WEIGHTS_INTO
+from graphs.op_count import OpCounter
 
 
 def _by_definition(
@@ -180,24 +180,45 @@ def test_hash_routing_keeps_the_table_order_and_repeats() -> None:
 @pytest.mark.skipif(native.KERNELS is None, reason=native.reason)
 @given(
     tokens=st.integers(1, 6),
-    num_experts=st.integers(1, 9),
+    num_experts=st.integers(2, 9),
+    hashed=st.booleans(),
+    scoring=st.sampled_from(["sqrtsoftplus", "sigmoid"]),
     data=st.data(),
     seed=st.integers(0, 2**16),
 )
-def test_native_router_weights_equal_the_composite(
-    tokens: int, num_experts: int, data: st.DataObject, seed: int
+def test_the_native_router_routes_as_the_composite(
+    tokens: int, num_experts: int, hashed: bool, scoring: str, data: st.DataObject, seed: int
 ) -> None:
-    """On the CPU the chosen scores are normalised and scaled in one native op: the composite's
-    values (gather, sum plus 1e-20, divide, scale) within a float32 sum's rounding."""
-    k = data.draw(st.integers(1, 4), label="k")
+    """On the CPU the scores, the choice and the weights are one native op (``route_into``): the
+    composite's experts (on scores apart by more than their last places) and its weights within
+    float32 rounding (its exp and log1p against ATen's); a hash table pointing outside the
+    experts is refused."""
+    k = data.draw(st.integers(1, num_experts), label="k")
+    config = attrs.evolve(
+        DeepseekV4Config.tiny(),
+        n_routed_experts=num_experts,
+        num_experts_per_tok=k,
+        scoring_func=scoring,
+    )
+    router = Router(config, hashed=hashed)
     generator = torch.Generator().manual_seed(seed)
-    scores = torch.rand(tokens, num_experts, generator=generator)
-    experts = torch.randint(0, num_experts, (tokens, k), generator=generator)
-    chosen = scores.gather(1, experts)
-    expected = chosen / (chosen.sum(dim=-1, keepdim=True) + 1e-20) * 1.5
-    with torch.inference_mode():
-        got = torch.empty(tokens, k)
-        ROUTE_WEIGHTS_INTO(got, scores, experts, 1.5)
-        with pytest.raises(IndexError, match="index out of range"):
-            ROUTE_WEIGHTS_INTO(got, scores, experts + num_experts, 1.5)
-    torch.testing.assert_close(got, expected, rtol=4 * k * 2**-24, atol=0)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=generator) * 4)
+        if hashed:
+            router.tid2eid.copy_(torch.randint(0, num_experts, router.tid2eid.shape))
+        else:
+            router.e_score_correction_bias.copy_(torch.rand(num_experts, generator=generator))
+    x = torch.randn(tokens, config.hidden_size, generator=generator)
+    ids = torch.randint(0, config.vocab_size, (tokens,), generator=generator)
+    counter = OpCounter()
+    with torch.inference_mode(), counter:
+        experts, weights = router(x, ids)
+    assert counter.by_name["route_into"] == 1
+    composite_experts, composite_weights = router(x, ids)  # autograd records: ATen's ops
+    assert torch.equal(experts, composite_experts)
+    torch.testing.assert_close(weights, composite_weights.detach(), rtol=1e-5, atol=1e-7)
+    if hashed:
+        with torch.no_grad():
+            router.tid2eid[ids[0]] = num_experts
+        with torch.inference_mode(), pytest.raises(IndexError, match="index out of range"):
+            router(x, ids)
