@@ -4,7 +4,9 @@
  * does not depend on torch's ABI. It is also an (empty) Python extension module, so whatever
  * imports every module of the package imports it too, and ``dsv4.native`` finds it by import. Each kernel says how it rounds against the
  * ATen kernels it replaces (tests/dsv4/test_sinkhorn.py and test_native_*.py draw the inputs
- * that show it). Products and sums are never fused (``-ffp-contract=off``). */
+ * that show it). The compiler never contracts products and sums (``-ffp-contract=off``); the
+ * routed experts' products use FMA instructions explicitly (``avx2,fma``, chosen at run time,
+ * ``fmaf`` elsewhere, which rounds the same). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 

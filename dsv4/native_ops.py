@@ -19,6 +19,7 @@ import torch
 
 from dsv4.native import KERNELS, prebound
 from graphs.bound_kernels import Binder, BoundCall, register_binder
+from graphs.tape.stale import register_row_writes
 
 __all__ = [
     "ATTEND_INTO",
@@ -698,6 +699,7 @@ POOL_INTO = torch.ops.dsv4.pool_into.default
 GROUPED_LINEAR_INTO = torch.ops.dsv4.grouped_linear_into.default
 GATHER_ROWS_INTO = torch.ops.dsv4.gather_rows_into.default
 SCATTER_ROWS_ = torch.ops.dsv4.scatter_rows_.default
+register_row_writes(SCATTER_ROWS_, lambda table, rows, values: (0, rows))
 ROPE_INTO = torch.ops.dsv4.rope_into.default
 ROUTED_EXPERTS_INTO = torch.ops.dsv4.routed_experts_into.default
 ROUTE_INTO = torch.ops.dsv4.route_into.default

@@ -30,7 +30,7 @@ import torch
 from graphs._tensor_refs import storage_key
 from graphs.tape.refs import alias
 
-__all__ = ["OutsideWrites", "fill_junk", "junk_value", "written_rows"]
+__all__ = ["OutsideWrites", "fill_junk", "junk_value", "register_row_writes", "written_rows"]
 
 
 def junk_value(dtype: torch.dtype) -> float | int | bool:
@@ -50,11 +50,28 @@ def fill_junk(storage: torch.UntypedStorage, dtype: torch.dtype) -> None:
         alias(storage, dtype, 0, (count,), (1,)).fill_(junk_value(dtype))
 
 
+RowsOf = Callable[..., tuple[int, torch.Tensor]]
+"""Given an op's arguments, the slices of its first argument it writes: ``(dim, index)``."""
+
+_ROW_WRITERS: dict[Any, RowsOf] = {}
+
+
+def register_row_writes(op: torch._ops.OpOverload, rows_of: RowsOf) -> None:
+    """Declare that ``op`` (a project's operator) writes only the slices ``rows_of(*args)`` of
+    its first argument, as ``index_copy_`` does: a recording segment then logs those slices of
+    an outside tensor it writes, not its whole storage (a KV cache of tens of MiB)."""
+    _ROW_WRITERS[op] = rows_of
+
+
 def written_rows(
     func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[int, torch.Tensor] | None:
     """``(dim, index)`` when ``func`` writes only the slices ``index`` of ``args[0]`` along
-    ``dim`` (``index_copy_``: a KV-cache write names the rows it writes), else ``None``."""
+    ``dim`` (``index_copy_``, or an operator registered with ``register_row_writes``: a
+    KV-cache write names the rows it writes), else ``None``."""
+    rows_of = _ROW_WRITERS.get(func)
+    if rows_of is not None and not kwargs:
+        return rows_of(*args)
     if func is not torch.ops.aten.index_copy_.default or kwargs or len(args) != 4:
         return None
     dim, index = args[1], args[2]
