@@ -4,7 +4,7 @@ metadata is in ``pyproject.toml``.
 The extension is optional: an install without a C compiler still succeeds, and the operators
 then run ATen's ops, which compute the same (``dsv4.native.reason`` says why the kernels are
 absent). The compiler never contracts products and sums into FMAs (each kernel states how it
-rounds); the routed experts' kernels use FMA instructions explicitly, chosen at run time."""
+rounds); the products' kernels use FMA instructions explicitly, chosen at run time."""
 
 from setuptools import Extension, setup
 

@@ -5,8 +5,8 @@
  * imports every module of the package imports it too, and ``dsv4.native`` finds it by import. Each kernel says how it rounds against the
  * ATen kernels it replaces (tests/dsv4/test_sinkhorn.py and test_native_*.py draw the inputs
  * that show it). The compiler never contracts products and sums (``-ffp-contract=off``); the
- * routed experts' products use FMA instructions explicitly (``avx2,fma``, chosen at run time,
- * ``fmaf`` elsewhere, which rounds the same). */
+ * matrix products use FMA instructions explicitly (``avx2,fma``, chosen at run time, ``fmaf``
+ * elsewhere, which rounds the same). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -190,72 +190,118 @@ void dsv4_rope_f32(float *out, const float *x, const float *cos, const float *si
     }
 }
 
+#define LANES 16
+
 #if defined(__x86_64__) && defined(__GNUC__)
-#define WITH_AVX2_CLONE __attribute__((target_clones("avx2", "default")))
+#include <immintrin.h>
+
+static int has_fma(void) {
+    static int known = -1;
+    if (known < 0) known = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return known;
+}
 #else
-#define WITH_AVX2_CLONE
+static int has_fma(void) { return 0; }
 #endif
 
-#define LANES 16
+/* One output of ``linear_rows``: ``x . w`` over ``in_features`` columns as 16 partial sums
+ * (column i into sum i mod 16, in column order, one fused multiply-add per term), added in
+ * order, then the columns past the last multiple of 16, one fused multiply-add each. The vector
+ * kernels below compute exactly this (a vector FMA rounds as ``fmaf``). */
+static float dot_lanes(const float *x, const float *w, int64_t in_features) {
+    const int64_t body = in_features - in_features % LANES;
+    float acc[LANES] = {0};
+    for (int64_t i = 0; i < body; i += LANES)
+        for (int l = 0; l < LANES; ++l) acc[l] = fmaf(x[i + l], w[i + l], acc[l]);
+    float sum = 0.0f;
+    for (int l = 0; l < LANES; ++l) sum += acc[l];
+    for (int64_t i = body; i < in_features; ++i) sum = fmaf(x[i], w[i], sum);
+    return sum;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+/* ``dot_lanes`` of ROWS rows of ``x`` (``x_stride`` apart) with one weight row ``w``, into
+ * ``out[r * out_stride]``: the weight row read once for all ROWS rows, the 16 sums of each row
+ * in two vector registers. */
+#define DEFINE_DOT_ROWS(ROWS)                                                                   \
+    __attribute__((target("avx2,fma"))) static void dot_rows_##ROWS(                            \
+        float *out, int64_t out_stride, const float *x, int64_t x_stride, const float *w,       \
+        int64_t in_features) {                                                                  \
+        const int64_t body = in_features - in_features % LANES;                                 \
+        const float *x0 = x, *x1 = x + x_stride * (ROWS > 1), *x2 = x + 2 * x_stride * (ROWS > 2); \
+        const float *x3 = x + 3 * x_stride * (ROWS > 3);                                        \
+        __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0;   \
+        __m256 h3 = l0;                                                                         \
+        for (int64_t i = 0; i < body; i += LANES) {                                             \
+            const __m256 wl = _mm256_loadu_ps(w + i), wh = _mm256_loadu_ps(w + i + 8);           \
+            l0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + i), wl, l0);                              \
+            h0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + i + 8), wh, h0);                          \
+            if (ROWS > 1) {                                                                     \
+                l1 = _mm256_fmadd_ps(_mm256_loadu_ps(x1 + i), wl, l1);                          \
+                h1 = _mm256_fmadd_ps(_mm256_loadu_ps(x1 + i + 8), wh, h1);                      \
+            }                                                                                   \
+            if (ROWS > 2) {                                                                     \
+                l2 = _mm256_fmadd_ps(_mm256_loadu_ps(x2 + i), wl, l2);                          \
+                h2 = _mm256_fmadd_ps(_mm256_loadu_ps(x2 + i + 8), wh, h2);                      \
+            }                                                                                   \
+            if (ROWS > 3) {                                                                     \
+                l3 = _mm256_fmadd_ps(_mm256_loadu_ps(x3 + i), wl, l3);                          \
+                h3 = _mm256_fmadd_ps(_mm256_loadu_ps(x3 + i + 8), wh, h3);                      \
+            }                                                                                   \
+        }                                                                                       \
+        const __m256 lows[4] = {l0, l1, l2, l3}, highs[4] = {h0, h1, h2, h3};                   \
+        const float *rows_x[4] = {x0, x1, x2, x3};                                              \
+        for (int r = 0; r < ROWS; ++r) {                                                        \
+            float acc[LANES];                                                                   \
+            _mm256_storeu_ps(acc, lows[r]);                                                     \
+            _mm256_storeu_ps(acc + 8, highs[r]);                                                \
+            float sum = 0.0f;                                                                   \
+            for (int l = 0; l < LANES; ++l) sum += acc[l];                                      \
+            for (int64_t i = body; i < in_features; ++i) sum = fmaf(rows_x[r][i], w[i], sum);   \
+            out[r * out_stride] = sum;                                                          \
+        }                                                                                       \
+    }
+
+DEFINE_DOT_ROWS(1)
+DEFINE_DOT_ROWS(2)
+DEFINE_DOT_ROWS(3)
+DEFINE_DOT_ROWS(4)
+#endif
 
 /* ``out[m, o] = sum over i of x[m, i] * weight[o, i]`` for a few ``rows`` of ``x`` (``rows`` x
  * ``in_features``, rows ``x_stride`` values apart) and a contiguous ``weight`` (``out_features`` x
  * ``in_features``, as ``nn.Linear`` stores it) into ``out`` (rows ``out_stride`` values apart):
- * every weight row is read once, for up to four rows of ``x`` at a time, so a decode step's
+ * every weight row is read once, for every row of ``x`` (four at a time), so a decode step's
  * products stream their weights near the machine's read bandwidth, where a general matrix
- * product of one row reaches a third of it. Each output is 16 partial sums over the columns
- * (column i into sum i mod 16, in column order), added in order, then the columns past the last
- * multiple of 16: the same order whatever ``rows`` is, so a row's result does not depend on the
- * rows beside it. */
-WITH_AVX2_CLONE
+ * product of one row reaches a third of it. Each output is ``dot_lanes``: the same operations
+ * whatever ``rows`` is and whichever kernel ran, so a row's result does not depend on the rows
+ * beside it. */
 static void linear_rows(float *out, int64_t out_stride, const float *x, int64_t x_stride,
                         const float *weight, int64_t rows, int64_t out_features,
                         int64_t in_features) {
-    const int64_t body = in_features - in_features % LANES;
+    const int vector = has_fma();
     for (int64_t o = 0; o < out_features; ++o) {
         const float *w = weight + o * in_features;
         int64_t m = 0;
-        for (; m + 4 <= rows; m += 4) {
-            const float *x0 = x + m * x_stride, *x1 = x0 + x_stride;
-            const float *x2 = x1 + x_stride, *x3 = x2 + x_stride;
-            float a0[LANES] = {0}, a1[LANES] = {0}, a2[LANES] = {0}, a3[LANES] = {0};
-            for (int64_t i = 0; i < body; i += LANES) {
-                for (int l = 0; l < LANES; ++l) {
-                    const float v = w[i + l];
-                    a0[l] += x0[i + l] * v;
-                    a1[l] += x1[i + l] * v;
-                    a2[l] += x2[i + l] * v;
-                    a3[l] += x3[i + l] * v;
-                }
+#if defined(__x86_64__) && defined(__GNUC__)
+        if (vector) {
+            for (; m + 4 <= rows; m += 4)
+                dot_rows_4(out + m * out_stride + o, out_stride, x + m * x_stride, x_stride, w,
+                           in_features);
+            float *dst = out + m * out_stride + o;
+            const float *src = x + m * x_stride;
+            switch (rows - m) {
+            case 3: dot_rows_3(dst, out_stride, src, x_stride, w, in_features); break;
+            case 2: dot_rows_2(dst, out_stride, src, x_stride, w, in_features); break;
+            case 1: dot_rows_1(dst, out_stride, src, x_stride, w, in_features); break;
+            default: break;
             }
-            float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-            for (int l = 0; l < LANES; ++l) {
-                s0 += a0[l];
-                s1 += a1[l];
-                s2 += a2[l];
-                s3 += a3[l];
-            }
-            for (int64_t i = body; i < in_features; ++i) {
-                s0 += x0[i] * w[i];
-                s1 += x1[i] * w[i];
-                s2 += x2[i] * w[i];
-                s3 += x3[i] * w[i];
-            }
-            out[m * out_stride + o] = s0;
-            out[(m + 1) * out_stride + o] = s1;
-            out[(m + 2) * out_stride + o] = s2;
-            out[(m + 3) * out_stride + o] = s3;
+            continue;
         }
-        for (; m < rows; ++m) {
-            const float *xm = x + m * x_stride;
-            float acc[LANES] = {0};
-            for (int64_t i = 0; i < body; i += LANES)
-                for (int l = 0; l < LANES; ++l) acc[l] += xm[i + l] * w[i + l];
-            float sum = 0.0f;
-            for (int l = 0; l < LANES; ++l) sum += acc[l];
-            for (int64_t i = body; i < in_features; ++i) sum += xm[i] * w[i];
-            out[m * out_stride + o] = sum;
-        }
+#endif
+        (void)vector;
+        for (; m < rows; ++m)
+            out[m * out_stride + o] = dot_lanes(x + m * x_stride, w, in_features);
     }
 }
 
@@ -299,8 +345,6 @@ static void fused_columns(float *const *out, const float *const *in, int rows, c
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-
 /* ``fused_columns`` for ROWS rows and the first ``body`` columns (a multiple of 32) by FMA
  * instructions, in one of two orders that compute the same sums bit for bit:
  *
@@ -383,12 +427,6 @@ DEFINE_STREAMED_ROWS(1)
 DEFINE_STREAMED_ROWS(2)
 DEFINE_BLOCKED_ROWS(3)
 DEFINE_BLOCKED_ROWS(4)
-
-static int has_fma(void) {
-    static int known = -1;
-    if (known < 0) known = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    return known;
-}
 
 static void fused_rows(float *const *out, const float *const *in, int rows, const float *w,
                        int64_t depth, int64_t width) {

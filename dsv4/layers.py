@@ -38,7 +38,8 @@ __all__ = [
 
 SKINNY_ROWS = 4
 """Rows up to which a float32 product on one CPU thread runs the native kernel
-(``dsv4_linear_f32``: 2-3x MKL's speed at one row, 1.5-2x at four; above, MKL's is faster)."""
+(``dsv4_linear_f32``, FMA: 2-3x MKL's speed at one row, 1.5-2x at four; at 8 rows level with
+it or faster, at 16 up to 1.3x slower, so MKL runs above four)."""
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
