@@ -528,29 +528,34 @@ int64_t dsv4_routed_experts_f32(float *out, const float *x, const int64_t *exper
 
 /* ---- Attention of decode-sized steps, keys read in place ---- */
 
+/* ``q . key`` over ``width`` values as 8 partial sums (column i into sum i mod 8, in column
+ * order) added in order, then the columns past the last multiple of 8: the order every
+ * attention and indexer dot product of this file takes. */
+static float dot8(const float *q, const float *key, int64_t width) {
+    const int64_t body = width - width % 8;
+    float partial[8] = {0};
+    for (int64_t i = 0; i < body; i += 8)
+        for (int l = 0; l < 8; ++l) partial[l] += q[i + l] * key[i + l];
+    float dot = 0.0f;
+    for (int l = 0; l < 8; ++l) dot += partial[l];
+    for (int64_t i = body; i < width; ++i) dot += q[i] * key[i];
+    return dot;
+}
+
 /* One token's attention: one softmax per head over the ``count`` keys (pointers) it may see
  * (``seen``) and the head's sink, into ``out`` (``heads`` x ``width``); ``logits`` is scratch for
- * ``count`` values. ``l_k = (q . key_k) * scaling``, each dot product 8 partial sums (column i
- * into sum i mod 8) added in order, then the columns past the last multiple of 8;
+ * ``count`` values. ``l_k = dot8(q, key_k) * scaling``;
  * ``p_k = exp(l_k - m) / (sum over seen j of exp(l_j - m) + exp(sink - m))``, ``m`` the largest
  * seen logit or the sink; ``out = sum over seen k of p_k * key_k``, keys in order. */
 static void attend_token(float *out, const float *queries, const float *const *keys,
                          const uint8_t *seen, int64_t count, int64_t heads, int64_t width,
                          const float *sinks, float scaling, float *logits) {
-    const int64_t body = width - width % 8;
     for (int64_t h = 0; h < heads; ++h) {
         const float *q = queries + h * width;
         float largest = sinks[h];
         for (int64_t k = 0; k < count; ++k) {
             if (!seen[k]) continue;
-            const float *key = keys[k];
-            float partial[8] = {0};
-            for (int64_t i = 0; i < body; i += 8)
-                for (int l = 0; l < 8; ++l) partial[l] += q[i + l] * key[i + l];
-            float dot = 0.0f;
-            for (int l = 0; l < 8; ++l) dot += partial[l];
-            for (int64_t i = body; i < width; ++i) dot += q[i] * key[i];
-            logits[k] = dot * scaling;
+            logits[k] = dot8(q, keys[k], width) * scaling;
             largest = logits[k] > largest ? logits[k] : largest;
         }
         float total = 0.0f;
@@ -669,11 +674,10 @@ int64_t dsv4_route_weights_f32(float *out, const float *scores, const int64_t *e
  * ``s`` token ``t`` may see, and -inf for the others. ``queries`` are ``tokens`` x ``heads`` x
  * ``width``, ``keys`` ``tokens`` x ``count`` x ``width``, ``weights`` ``tokens`` x ``heads``,
  * ``visible`` ``tokens`` x ``count`` bytes and ``out`` ``tokens`` x ``count``, all contiguous; each
- * dot product as in ``dsv4_attend_f32``. */
+ * dot product ``dot8``. */
 void dsv4_index_scores_f32(float *out, const float *queries, const float *keys,
                            const float *weights, const uint8_t *visible, int64_t tokens,
                            int64_t heads, int64_t count, int64_t width, float scale) {
-    const int64_t body = width - width % 8;
     for (int64_t t = 0; t < tokens; ++t)
         for (int64_t s = 0; s < count; ++s) {
             float *dst = out + t * count + s;
@@ -684,13 +688,7 @@ void dsv4_index_scores_f32(float *out, const float *queries, const float *keys,
             const float *key = keys + (t * count + s) * width;
             float score = 0.0f;
             for (int64_t h = 0; h < heads; ++h) {
-                const float *q = queries + (t * heads + h) * width;
-                float partial[8] = {0};
-                for (int64_t i = 0; i < body; i += 8)
-                    for (int l = 0; l < 8; ++l) partial[l] += q[i + l] * key[i + l];
-                float dot = 0.0f;
-                for (int l = 0; l < 8; ++l) dot += partial[l];
-                for (int64_t i = body; i < width; ++i) dot += q[i] * key[i];
+                const float dot = dot8(queries + (t * heads + h) * width, key, width);
                 const float relu = dot > 0.0f ? dot : 0.0f;
                 score += relu * scale * weights[t * heads + h];
             }
