@@ -24,8 +24,11 @@ def _restore_default_sigint() -> None:
 @pytest.mark.parametrize("delay", [0.2, 1.2, 2.5], ids=["importing", "starting", "running"])
 def test_ctrl_c_at_any_moment_is_one_line(delay: float) -> None:
     assert DSV4 is not None
+    # 32 requests one at a time, 400 tokens each: about 12 s of generation here, so the last
+    # interrupt lands well inside it (8 requests at once finished in about 3 s, and a signal in
+    # the interpreter's shutdown, after its handlers are gone, ends the process without a word)
     command = [DSV4, "run", "--platform", "cpu", "--ignore-eos", "--max-new-tokens", "400"]
-    command += ["--prompt", "Hello"] * 8
+    command += ["--max-num-seqs", "1"] + ["--prompt", "Hello"] * 32
     process = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
