@@ -328,142 +328,138 @@ void dsv4_grouped_linear_f32(float *out, const float *x, const float *weight, in
 #include <stdlib.h>
 #include <string.h>
 
-#define EXPERT_ROWS 4 /* rows of one expert multiplied per read of its weights */
+#define EXPERT_ROWS 6 /* rows of one expert multiplied per read of its weights */
 
-/* ``out[r][c] = sum over i of in[r][i] * w[i * width + c]`` for ``rows`` rows and columns
- * ``c0 <= c < c1``: one fused multiply-add per term, i ascending from zero. Every vector kernel
- * below computes each output with these very operations (``fmaf`` rounds once, as a vector FMA
- * does), so an output never depends on the rows, the columns or the kernel beside it. */
-static void fused_columns(float *const *out, const float *const *in, int rows, const float *w,
-                          int64_t depth, int64_t width, int64_t c0, int64_t c1) {
-    for (int r = 0; r < rows; ++r)
-        for (int64_t c = c0; c < c1; ++c) {
-            float acc = 0.0f;
-            for (int64_t i = 0; i < depth; ++i) acc = fmaf(in[r][i], w[i * width + c], acc);
-            out[r][c] = acc;
+/* Expert matrices are read in *panels*: a matrix of ``depth`` x ``width`` (an expert's transpose,
+ * ``in`` x ``out``) stored as ``width / panel`` panels of ``panel`` columns, each panel's
+ * ``depth`` x ``panel`` values contiguous, one after the other. ``panel == width`` is the matrix
+ * itself (``dsv4.experts.columns_first``); a narrow panel is read as one plain stream while its
+ * sums stay in registers, which a strip of a wide matrix is not (one thread, 96 matrices of
+ * 512 x 512 read from memory, four rows: 29 GB/s in panels of 64 columns, the machine's read
+ * bandwidth, against 9-11 GB/s for every order that reads 64 columns of the whole matrix).
+ *
+ * ``out[r][p * panel + q] = sum over i of in[r][i] * w[p * depth * panel + i * panel + q]`` for
+ * ``rows`` rows: one fused multiply-add per term, i ascending from zero. Every kernel below
+ * computes each output with these very operations (``fmaf`` rounds once, as a vector FMA does),
+ * so an output never depends on the layout, the rows or the kernel beside it. */
+static inline void panel_columns(float *const *out, const float *const *in, int rows, const float *w,
+                          int64_t depth, int64_t panel, int64_t panels) {
+    for (int64_t p = 0; p < panels; ++p) {
+        const float *wp = w + p * depth * panel;
+        for (int r = 0; r < rows; ++r) {
+            float *o = out[r] + p * panel;
+            for (int64_t q = 0; q < panel; ++q) o[q] = 0.0f;
+            for (int64_t i = 0; i < depth; ++i) {
+                const float v = in[r][i], *wi = wp + i * panel;
+                for (int64_t q = 0; q < panel; ++q) o[q] = fmaf(v, wi[q], o[q]);
+            }
         }
+    }
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
-/* ``fused_columns`` for ROWS rows and the first ``body`` columns (a multiple of 32) by FMA
- * instructions, in one of two orders that compute the same sums bit for bit:
- *
- * - streamed (few rows): the weights read once for all ROWS rows, row after row from left to
- *   right, a plain stream the hardware prefetches at the machine's read bandwidth, each weight
- *   row's terms added to the output rows, which stay in the first-level cache;
- * - blocked (more rows, where the FMAs dominate): STRETCH weight rows (a contiguous stretch of
- *   the matrix) at a time, their terms added to sums held in registers for 16 columns at a time
- *   (kept in ``out`` between stretches), the next stretch prefetched in address order meanwhile.
- *   Measured on one thread: twice the streamed order's FMA rate on weights in cache, and half
- *   its bandwidth from memory, whence the split by rows. */
-#define DEFINE_STREAMED_ROWS(ROWS)                                                              \
-    __attribute__((target("avx2,fma"))) static void streamed_rows_##ROWS(                       \
-        float *const *out, const float *const *in, const float *w, int64_t depth,               \
-        int64_t width, int64_t body) {                                                          \
-        for (int r = 0; r < ROWS; ++r) memset(out[r], 0, (size_t)body * sizeof(float));         \
-        for (int64_t i = 0; i < depth; ++i) {                                                   \
-            const float *wi = w + i * width;                                                    \
-            __m256 b[ROWS];                                                                     \
-            for (int r = 0; r < ROWS; ++r) b[r] = _mm256_broadcast_ss(in[r] + i);               \
-            for (int64_t c = 0; c < body; c += 32) {                                            \
-                const __m256 w0 = _mm256_loadu_ps(wi + c), w1 = _mm256_loadu_ps(wi + c + 8);     \
-                const __m256 w2 = _mm256_loadu_ps(wi + c + 16);                                 \
-                const __m256 w3 = _mm256_loadu_ps(wi + c + 24);                                 \
-                for (int r = 0; r < ROWS; ++r) {                                                \
-                    float *o = out[r] + c;                                                      \
-                    _mm256_storeu_ps(o, _mm256_fmadd_ps(b[r], w0, _mm256_loadu_ps(o)));         \
-                    _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(b[r], w1, _mm256_loadu_ps(o + 8))); \
-                    _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(b[r], w2, _mm256_loadu_ps(o + 16)));\
-                    _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(b[r], w3, _mm256_loadu_ps(o + 24)));\
-                }                                                                               \
+/* ``panel_columns`` compiled for AVX2 and FMA: its column loop becomes vector FMAs (the
+ * machines without AVX-512). */
+__attribute__((target("avx2,fma"))) static void panel_columns_avx2(
+    float *const *out, const float *const *in, int rows, const float *w, int64_t depth,
+    int64_t panel, int64_t panels) {
+    panel_columns(out, in, rows, w, depth, panel, panels);
+}
+
+static int has_avx512(void) {
+    static int known = -1;
+    if (known < 0) known = __builtin_cpu_supports("avx512f");
+    return known;
+}
+
+/* ``panel_columns`` for ROWS rows and at most 64 columns ``q0 .. q0 + count - 1`` of one panel
+ * (``wp``, ``panel`` columns wide): the ROWS x 4 sums of 16 columns in registers over the whole
+ * depth, each weight vector loaded once for every row, columns past ``count`` masked off. */
+#define DEFINE_PANEL_STRIP(ROWS)                                                                \
+    __attribute__((target("avx512f"))) static void panel_strip_##ROWS(                          \
+        float *const *out, const float *const *in, const float *wp, int64_t depth,              \
+        int64_t panel, int64_t q0, int64_t count) {                                             \
+        __mmask16 mask[4];                                                                      \
+        for (int c = 0; c < 4; ++c) {                                                           \
+            const int64_t left = count - 16 * c;                                                \
+            mask[c] = left >= 16 ? (__mmask16)0xFFFF                                            \
+                                 : (left > 0 ? (__mmask16)((1u << left) - 1u) : 0);             \
+        }                                                                                       \
+        __m512 acc[ROWS][4];                                                                    \
+        for (int r = 0; r < ROWS; ++r)                                                          \
+            for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();                        \
+        const float *wi = wp + q0;                                                              \
+        for (int64_t i = 0; i < depth; ++i, wi += panel) {                                      \
+            __m512 wv[4];                                                                       \
+            for (int c = 0; c < 4; ++c) wv[c] = _mm512_maskz_loadu_ps(mask[c], wi + 16 * c);    \
+            for (int r = 0; r < ROWS; ++r) {                                                    \
+                const __m512 v = _mm512_set1_ps(in[r][i]);                                      \
+                for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_fmadd_ps(v, wv[c], acc[r][c]);   \
             }                                                                                   \
         }                                                                                       \
+        for (int r = 0; r < ROWS; ++r)                                                          \
+            for (int c = 0; c < 4; ++c)                                                         \
+                _mm512_mask_storeu_ps(out[r] + q0 + 16 * c, mask[c], acc[r][c]);               \
     }
 
-#define STRETCH 8
+DEFINE_PANEL_STRIP(1)
+DEFINE_PANEL_STRIP(2)
+DEFINE_PANEL_STRIP(3)
+DEFINE_PANEL_STRIP(4)
+DEFINE_PANEL_STRIP(5)
+DEFINE_PANEL_STRIP(6)
 
-#define DEFINE_BLOCKED_ROWS(ROWS)                                                               \
-    __attribute__((target("avx2,fma"))) static void blocked_rows_##ROWS(                        \
-        float *const *out, const float *const *in, const float *w, int64_t depth,               \
-        int64_t width, int64_t body) {                                                          \
-        float *o0 = out[0], *o1 = out[1], *o2 = out[2], *o3 = out[3 * (ROWS > 3)];               \
-        const float *x0 = in[0], *x1 = in[1], *x2 = in[2], *x3 = in[3 * (ROWS > 3)];             \
-        for (int r = 0; r < ROWS; ++r) memset(out[r], 0, (size_t)body * sizeof(float));         \
-        for (int64_t i0 = 0; i0 < depth; i0 += STRETCH) {                                       \
-            const int64_t i1 = i0 + STRETCH < depth ? i0 + STRETCH : depth;                     \
-            for (int64_t c = 0; c < body; c += 16) {                                            \
-                __m256 a00 = _mm256_loadu_ps(o0 + c), a01 = _mm256_loadu_ps(o0 + c + 8);         \
-                __m256 a10 = _mm256_loadu_ps(o1 + c), a11 = _mm256_loadu_ps(o1 + c + 8);         \
-                __m256 a20 = _mm256_loadu_ps(o2 + c), a21 = _mm256_loadu_ps(o2 + c + 8);         \
-                __m256 a30 = a00, a31 = a01;                                                    \
-                if (ROWS > 3) a30 = _mm256_loadu_ps(o3 + c), a31 = _mm256_loadu_ps(o3 + c + 8);  \
-                if (i1 < depth) {                                                               \
-                    const char *next = (const char *)(w + i1 * width) + c / 16 * STRETCH * 64;  \
-                    for (int j = 0; j < STRETCH; ++j) __builtin_prefetch(next + 64 * j);         \
-                }                                                                               \
-                const float *wi = w + i0 * width + c;                                           \
-                for (int64_t i = i0; i < i1; ++i, wi += width) {                                \
-                    const __m256 w0 = _mm256_loadu_ps(wi), w1 = _mm256_loadu_ps(wi + 8);         \
-                    __m256 b = _mm256_broadcast_ss(x0 + i);                                     \
-                    a00 = _mm256_fmadd_ps(b, w0, a00), a01 = _mm256_fmadd_ps(b, w1, a01);        \
-                    b = _mm256_broadcast_ss(x1 + i);                                            \
-                    a10 = _mm256_fmadd_ps(b, w0, a10), a11 = _mm256_fmadd_ps(b, w1, a11);        \
-                    b = _mm256_broadcast_ss(x2 + i);                                            \
-                    a20 = _mm256_fmadd_ps(b, w0, a20), a21 = _mm256_fmadd_ps(b, w1, a21);        \
-                    if (ROWS > 3) {                                                             \
-                        b = _mm256_broadcast_ss(x3 + i);                                        \
-                        a30 = _mm256_fmadd_ps(b, w0, a30), a31 = _mm256_fmadd_ps(b, w1, a31);    \
-                    }                                                                           \
-                }                                                                               \
-                _mm256_storeu_ps(o0 + c, a00), _mm256_storeu_ps(o0 + c + 8, a01);               \
-                _mm256_storeu_ps(o1 + c, a10), _mm256_storeu_ps(o1 + c + 8, a11);               \
-                _mm256_storeu_ps(o2 + c, a20), _mm256_storeu_ps(o2 + c + 8, a21);               \
-                if (ROWS > 3) _mm256_storeu_ps(o3 + c, a30), _mm256_storeu_ps(o3 + c + 8, a31);  \
-            }                                                                                   \
-        }                                                                                       \
+static void panel_rows(float *const *out, const float *const *in, int rows, const float *w,
+                       int64_t depth, int64_t panel, int64_t panels) {
+    if (!has_avx512()) {
+        if (has_fma())
+            panel_columns_avx2(out, in, rows, w, depth, panel, panels);
+        else
+            panel_columns(out, in, rows, w, depth, panel, panels);
+        return;
     }
-
-DEFINE_STREAMED_ROWS(1)
-DEFINE_STREAMED_ROWS(2)
-DEFINE_BLOCKED_ROWS(3)
-DEFINE_BLOCKED_ROWS(4)
-
-static void fused_rows(float *const *out, const float *const *in, int rows, const float *w,
-                       int64_t depth, int64_t width) {
-    int64_t body = 0;
-    if (has_fma()) {
-        body = width - width % 32;
-        switch (rows) {
-        case 1: streamed_rows_1(out, in, w, depth, width, body); break;
-        case 2: streamed_rows_2(out, in, w, depth, width, body); break;
-        case 3: blocked_rows_3(out, in, w, depth, width, body); break;
-        default: blocked_rows_4(out, in, w, depth, width, body); break;
+    for (int64_t p = 0; p < panels; ++p) {
+        const float *wp = w + p * depth * panel;
+        float *shifted[EXPERT_ROWS];
+        for (int r = 0; r < rows; ++r) shifted[r] = out[r] + p * panel;
+        for (int64_t q0 = 0; q0 < panel; q0 += 64) {
+            const int64_t count = panel - q0 < 64 ? panel - q0 : 64;
+            switch (rows) {
+            case 1: panel_strip_1(shifted, in, wp, depth, panel, q0, count); break;
+            case 2: panel_strip_2(shifted, in, wp, depth, panel, q0, count); break;
+            case 3: panel_strip_3(shifted, in, wp, depth, panel, q0, count); break;
+            case 4: panel_strip_4(shifted, in, wp, depth, panel, q0, count); break;
+            case 5: panel_strip_5(shifted, in, wp, depth, panel, q0, count); break;
+            default: panel_strip_6(shifted, in, wp, depth, panel, q0, count); break;
+            }
         }
     }
-    fused_columns(out, in, rows, w, depth, width, body, width);
 }
 #else
-static void fused_rows(float *const *out, const float *const *in, int rows, const float *w,
-                       int64_t depth, int64_t width) {
-    fused_columns(out, in, rows, w, depth, width, 0, width);
+static void panel_rows(float *const *out, const float *const *in, int rows, const float *w,
+                       int64_t depth, int64_t panel, int64_t panels) {
+    panel_columns(out, in, rows, w, depth, panel, panels);
 }
 #endif
 
 /* The routed experts of ``dsv4.experts`` in one call: ``out[t] = sum over slots j of
  * weights[t, j] * expert_{experts[t, j]}(x[t])`` (``tokens`` x ``hidden``, contiguous), each
  * expert the clamped SwiGLU of ``dsv4_swiglu_f32`` between two products. ``gate_up`` holds each
- * expert's transpose contiguous (``hidden`` x 2 * ``inter``, gate columns first) and ``down``
- * likewise (``inter`` x ``hidden``): the stacks laid out ``columns_first``. Slots go by expert,
- * ascending, then by slot; the rows of one expert are multiplied a block of ``EXPERT_ROWS`` at a
- * time, so each chosen expert's weights are read once per block and an unchosen one never.
- * A token's output is its own slots' terms added to zero in that order (each product rounded,
- * then added): it depends on its routing only, never on the tokens beside it. Returns 0; -1
- * where scratch memory could not be allocated, -2 where an expert index is outside the stacks
- * (``out`` is then untouched). */
+ * expert's transpose (``hidden`` x 2 * ``inter``, gate columns first) in panels of
+ * ``gate_up_panel`` columns and ``down`` likewise (``inter`` x ``hidden``, panels of
+ * ``down_panel``), one expert after the other (``panel_columns``; a panel as wide as the matrix
+ * is the stack laid out ``columns_first``). Slots go by expert, ascending, then by slot; the
+ * rows of one expert are multiplied a block of ``EXPERT_ROWS`` at a time, so each chosen
+ * expert's weights are read once per block and an unchosen one never. A token's output is its
+ * own slots' terms added to zero in that order (each product rounded, then added): it depends
+ * on its routing only, never on the tokens beside it or on the panels. Returns 0; -1 where
+ * scratch memory could not be allocated, -2 where an expert index is outside the stacks (``out``
+ * is then untouched). */
 int64_t dsv4_routed_experts_f32(float *out, const float *x, const int64_t *experts,
                                 const float *weights, const float *gate_up, const float *down,
                                 int64_t tokens, int64_t k, int64_t num_experts, int64_t hidden,
-                                int64_t inter, float limit) {
+                                int64_t inter, int64_t gate_up_panel, int64_t down_panel,
+                                float limit) {
     const int64_t slots = tokens * k;
     for (int64_t s = 0; s < slots; ++s)
         if (experts[s] < 0 || experts[s] >= num_experts) return -2;
@@ -507,11 +503,12 @@ int64_t dsv4_routed_experts_f32(float *out, const float *x, const int64_t *exper
             const int rows = left < EXPERT_ROWS ? (int)left : EXPERT_ROWS;
             const float *inputs[EXPERT_ROWS];
             for (int r = 0; r < rows; ++r) inputs[r] = x + (order[first + r] / k) * hidden;
-            fused_rows(product_rows, inputs, rows, gate_up_t, hidden, 2 * inter);
+            panel_rows(product_rows, inputs, rows, gate_up_t, hidden, gate_up_panel,
+                       2 * inter / gate_up_panel);
             dsv4_swiglu_f32(activated, products, 2 * inter, products + inter, 2 * inter, rows,
                             inter, limit);
-            fused_rows(result_rows, (const float *const *)activated_rows, rows, down_t, inter,
-                       hidden);
+            panel_rows(result_rows, (const float *const *)activated_rows, rows, down_t, inter,
+                       down_panel, hidden / down_panel);
             for (int r = 0; r < rows; ++r) {
                 const int64_t slot = order[first + r];
                 const float weight = weights[slot];

@@ -31,9 +31,11 @@ import torch
 from torch import nn
 
 from dsv4.expert_kernels import (
+    PANEL,
     bagged,
     grouped,
     grouped_fits,
+    in_panels,
     routed,
     routed_takes,
     swiglu,
@@ -48,6 +50,7 @@ __all__ = [
     "ExpertFormulations",
     "Experts",
     "columns_first",
+    "pack_routed_experts",
     "swiglu",
 ]
 
@@ -118,12 +121,20 @@ class ExpertFormulations(nn.Module):
         """``x [T, hidden]``, chosen ``experts [T, k]`` and their ``weights`` -> ``[T, hidden]``."""
         if self._in_place(x):
             stacks = self._resident_stacks(experts.reshape(-1))
-            if routed_takes(x, experts, *stacks):
-                return routed(x, experts, weights, *stacks, self.limit)
+            panels = self._routed_panels(stacks)
+            if routed_takes(x, experts, *panels):
+                return routed(x, experts, weights, *panels, self.limit)
             out = self._slot_outputs(x, experts, stacks)
         else:
             out = self._slot_outputs(x, experts)
         return (out * as_dtype(weights, out.dtype).unsqueeze(-1)).sum(dim=1)
+
+    def _routed_panels(
+        self, stacks: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stacks the routed formulation reads (``in_panels``): the resident ``stacks``
+        themselves, one panel each."""
+        return in_panels(stacks[0]), in_panels(stacks[1])
 
     def _slot_outputs(
         self,
@@ -229,6 +240,13 @@ class Experts(ExpertFormulations):
         )
         nn.init.zeros_(self.gate_up_proj)
         nn.init.zeros_(self.down_proj)
+        # the routed formulation's packed copy (pack_panels): buffers, so that graphs may read
+        # them, never saved; and the parameters' _sources it was packed from
+        self.gate_up_panels: torch.Tensor | None
+        self.down_panels: torch.Tensor | None
+        self.register_buffer("gate_up_panels", None, persistent=False)
+        self.register_buffer("down_panels", None, persistent=False)
+        self._packed_from: tuple[tuple[int, int], ...] | None = None
 
     def _stack_shape(self) -> tuple[int, int, int]:
         num_experts, double_inter, hidden_size = self.gate_up_proj.shape
@@ -242,3 +260,47 @@ class Experts(ExpertFormulations):
 
     def _resident_stacks(self, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.gate_up_proj, self.down_proj
+
+    def _sources(self) -> tuple[tuple[int, int], ...]:
+        """Where both stacks live and how often they were written (their version counters)."""
+        return tuple((p.data_ptr(), p._version) for p in (self.gate_up_proj, self.down_proj))
+
+    def pack_panels(self) -> int:
+        """Keep a copy of both stacks packed in panels of ``PANEL`` columns (``in_panels``) for
+        the routed formulation, where it can read them: float32 CPU stacks whose widths cut
+        into panels. Returns the bytes the copy holds (0: none kept).
+
+        The copy is read while the parameters hold what it was packed from (the same storage,
+        not written since, by their version counters); once they are written or moved, the
+        routed formulation reads them in place again (the same values, at a third of the
+        bandwidth) until the next ``pack_panels``. A graph reads what its capture chose: pack
+        once the weights are final, before capturing (``build_engine`` does)."""
+        self.gate_up_panels = self.down_panels = self._packed_from = None
+        stacks = (self.gate_up_proj, self.down_proj)
+        if not all(
+            s.device.type == "cpu" and s.dtype == torch.float32 and s.shape[1] % PANEL == 0
+            for s in stacks
+        ):
+            return 0
+        with torch.no_grad():
+            self.gate_up_panels, self.down_panels = (in_panels(s.detach(), PANEL) for s in stacks)
+        self._packed_from = self._sources()
+        return sum(p.numel() * p.element_size() for p in (self.gate_up_panels, self.down_panels))
+
+    def _routed_panels(
+        self, stacks: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The packed copy while it holds the parameters' values (``pack_panels``), else the
+        parameters themselves, one panel each."""
+        gate_up, down = self.gate_up_panels, self.down_panels
+        if gate_up is None or down is None or self._packed_from != self._sources():
+            return super()._routed_panels(stacks)
+        return gate_up, down
+
+
+def pack_routed_experts(model: nn.Module) -> int:
+    """``Experts.pack_panels`` on every plain expert stack of ``model`` when this process runs
+    torch on one thread (the routed formulation's case); returns the bytes the copies hold."""
+    if torch.get_num_threads() != 1:
+        return 0
+    return sum(m.pack_panels() for m in model.modules() if isinstance(m, Experts))

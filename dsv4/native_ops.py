@@ -325,15 +325,23 @@ def _bind_routed_experts(
     limit: float,
 ) -> BoundCall:
     assert KERNELS is not None
+    what = (
+        "x and out [T, hidden], weights like experts [T, k], stacks in panels [E, 2I / P, "
+        "hidden, P] and [E, hidden / P', I, P']"
+    )
+    _require(experts.dim() == 2 and gate_up.dim() == down.dim() == 4, "routed_experts_into", what)
     tokens, k = experts.shape
-    num_experts, double_inter, hidden = gate_up.shape
+    num_experts, gate_up_panels, hidden, gate_up_panel = gate_up.shape
+    double_inter = gate_up_panels * gate_up_panel
     _require(
         x.shape == out.shape == (tokens, hidden)
         and weights.shape == experts.shape
-        and down.shape == (num_experts, hidden, double_inter // 2),
+        and double_inter % 2 == 0
+        and down.shape[0] == num_experts
+        and down.shape[2] == double_inter // 2
+        and down.shape[1] * down.shape[3] == hidden,
         "routed_experts_into",
-        "x and out [T, hidden], weights like experts [T, k], stacks [E, 2I, hidden] and "
-        "[E, hidden, I]",
+        what,
     )
     tensors = (out, x, experts, weights, gate_up, down)
     return bound_call(
@@ -345,6 +353,8 @@ def _bind_routed_experts(
         num_experts,
         hidden,
         double_inter // 2,
+        gate_up_panel,
+        down.shape[3],
         limit,
     )
 

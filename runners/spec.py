@@ -36,6 +36,7 @@ import torch.distributed as dist
 from dsv4 import DeepseekV4Config, DeepseekV4ForCausalLM, load_checkpoint
 from dsv4.config import ARCHITECTURE
 from dsv4.dtypes import COMPUTE_DTYPES, DTYPE_CHOICES, dtype_name, resolve_dtype
+from dsv4.experts import pack_routed_experts
 from dsv4.generation_config import stop_token_ids
 from dsv4.hf_config import checkpoint_architecture, load_config
 from dsv4.parallel import SINGLE, TensorParallel, check_parallel_size
@@ -251,6 +252,7 @@ def build_engine(spec: EngineSpec, *, model: DeepseekV4ForCausalLM | None = None
         model = build_model(spec)
     apply_threads(spec.threads, model.config.hidden_size)
     model = model.to(platform.device)
+    pack_routed_experts(model)
     plan = None
     layout = spec.layout
     if layout is None:

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from dsv4 import native
 from dsv4.config import DeepseekV4Config
-from dsv4.expert_kernels import bagged, grouped, grouped_fits, routed, routed_takes
+from dsv4.expert_kernels import bagged, grouped, grouped_fits, in_panels, routed, routed_takes
 from dsv4.experts import BAG_SLOTS_PER_EXPERT
 from dsv4.moe import Experts, Router
 from graphs.op_count import OpCounter
@@ -74,9 +74,10 @@ def test_every_formulation_equals_the_definition(
         if grouped_fits(x, module.gate_up_proj):
             slots["grouped"] = grouped(x, experts, *stacks, module.limit)
         chosen = module(x, experts, weights)
-        native = routed_takes(x, experts, *stacks)
+        panels = (in_panels(module.gate_up_proj), in_panels(module.down_proj))
+        native = routed_takes(x, experts, *panels)
         if native:
-            routed_sum = routed(x, experts, weights, *stacks, module.limit)
+            routed_sum = routed(x, experts, weights, *panels, module.limit)
     combined = {n: (out * weights.unsqueeze(-1)).sum(dim=1) for n, out in slots.items()}
     if native:
         combined["routed"] = routed_sum

@@ -15,10 +15,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dsv4 import native
-from dsv4.expert_kernels import ROUTED_TOKENS, routed, routed_takes
-from dsv4.experts import Experts
+from dsv4.expert_kernels import PANEL, ROUTED_TOKENS, in_panels, routed, routed_takes
+from dsv4.experts import Experts, pack_routed_experts
 from dsv4.native_ops import ROUTED_EXPERTS_INTO
 from graphs import BreakableCapture, TapeBackend
+from graphs.static_memory import StaticMemory
 
 pytestmark = pytest.mark.skipif(native.KERNELS is None, reason=native.reason)
 
@@ -56,7 +57,7 @@ def _definition(
 @given(
     num_experts=st.integers(1, 6),
     tokens=st.integers(1, 12),
-    hidden=st.sampled_from([8, 32, 45, 64]),  # below, at and past the 32-column vector blocks
+    hidden=st.sampled_from([8, 32, 45, 64, 130]),  # below, at and past 16- and 64-column strips
     inter=st.sampled_from([5, 16, 32]),
     data=st.data(),
     seed=st.integers(0, 2**16),
@@ -70,7 +71,13 @@ def test_routed_is_within_a_float32_bound_and_each_token_is_its_own(
     x = torch.randn(tokens, hidden, generator=generator)
     experts = torch.randint(0, num_experts, (tokens, k), generator=generator)
     weights = torch.rand(tokens, k, generator=generator)
-    stacks = (module.gate_up_proj, module.down_proj)
+    stacks = (in_panels(module.gate_up_proj), in_panels(module.down_proj))
+    widths = (2 * inter, hidden)
+    panel_widths = [data.draw(st.sampled_from(_divisors(w)), label="panel") for w in widths]
+    packed = tuple(
+        in_panels(s, p)
+        for s, p in zip((module.gate_up_proj, module.down_proj), panel_widths, strict=True)
+    )
     with torch.inference_mode():
         assert routed_takes(x, experts, *stacks)
         got = routed(x, experts, weights, *stacks, LIMIT)
@@ -78,11 +85,17 @@ def test_routed_is_within_a_float32_bound_and_each_token_is_its_own(
             routed(x[t : t + 1], experts[t : t + 1], weights[t : t + 1], *stacks, LIMIT)
             for t in range(tokens)
         ]
+        in_other_panels = routed(x, experts, weights, *packed, LIMIT)
     exact, magnitude = _definition(module, x, experts, weights)
     # each product and sum rounds once (FMAs, SwiGLU's exp to a few ulp): a generous float32 bound
     depth = hidden + inter + k
     assert bool(((got.double() - exact).abs() <= 4 * depth * 2**-24 * magnitude + 1e-30).all())
     assert all(torch.equal(got[t : t + 1], row) for t, row in enumerate(alone))
+    assert torch.equal(in_other_panels, got)  # the same operations, whatever the panels
+
+
+def _divisors(width: int) -> list[int]:
+    return [p for p in range(1, width + 1) if width % p == 0]
 
 
 def test_the_tape_replays_routed_bound_like_eager() -> None:
@@ -111,8 +124,8 @@ def test_an_expert_outside_the_stacks_raises_and_writes_nothing() -> None:
             x,
             torch.tensor([[0, 1], [2, 3]]),
             weights,
-            module.gate_up_proj,
-            module.down_proj,
+            in_panels(module.gate_up_proj),
+            in_panels(module.down_proj),
             LIMIT,
         )
     assert bool((out == 7.0).all())
@@ -120,7 +133,7 @@ def test_an_expert_outside_the_stacks_raises_and_writes_nothing() -> None:
 
 def test_routed_runs_for_decode_sized_float32_steps_on_one_thread_only() -> None:
     module = _experts(4, 32, 16, seed=0)
-    stacks = (module.gate_up_proj, module.down_proj)
+    stacks = (in_panels(module.gate_up_proj), in_panels(module.down_proj))
     experts = torch.zeros(1, 2, dtype=torch.long)
     with torch.inference_mode():
         assert routed_takes(torch.randn(ROUTED_TOKENS, 32), experts, *stacks)
@@ -133,3 +146,78 @@ def test_routed_runs_for_decode_sized_float32_steps_on_one_thread_only() -> None
         finally:
             torch.set_num_threads(previous)
     assert not routed_takes(torch.randn(1, 32), experts, *stacks)  # autograd records
+    with torch.inference_mode():  # the parameters as they are: not laid out in panels
+        assert not routed_takes(torch.randn(1, 32), experts, module.gate_up_proj, module.down_proj)
+
+
+def test_stacks_in_panels_hold_each_experts_columns_contiguous() -> None:
+    stack = torch.arange(2 * 6 * 3, dtype=torch.float32).view(2, 6, 3)  # [E, out, in]
+    panels = in_panels(stack, 2)
+    assert panels.shape == (2, 3, 3, 2) and panels.is_contiguous()
+    for e, p, i, q in [(0, 0, 0, 0), (1, 2, 1, 1), (1, 1, 2, 0)]:
+        assert panels[e, p, i, q] == stack[e, 2 * p + q, i]
+    with pytest.raises(ValueError, match="do not cut into panels of 4"):
+        in_panels(stack, 4)
+
+
+def _routed_step(module: Experts, tokens: int, seed: int) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(seed)
+    hidden, num_experts = module.gate_up_proj.shape[2], module.gate_up_proj.shape[0]
+    x = torch.randn(tokens, hidden, generator=generator)
+    experts = torch.stack(
+        [torch.randperm(num_experts, generator=generator)[:2] for _ in range(tokens)]
+    )
+    return x, experts, torch.rand(tokens, 2, generator=generator)
+
+
+def test_packed_experts_give_the_same_bits_until_their_weights_are_written() -> None:
+    module = _experts(6, 2 * PANEL, PANEL, seed=4)
+    x, experts, weights = _routed_step(module, 9, seed=5)
+    with torch.inference_mode():
+        in_place = module(x, experts, weights)
+        assert pack_routed_experts(module) == 4 * (3 * 6 * 2 * PANEL * PANEL)
+        assert module.gate_up_panels is not None
+        assert module._routed_panels((module.gate_up_proj, module.down_proj))[0].shape == (
+            6,
+            2,
+            2 * PANEL,
+            PANEL,
+        )
+        assert torch.equal(module(x, experts, weights), in_place)
+        module.down_proj.mul_(2.0)  # written: the packed copy is stale, the parameters are read
+        stacks = module._routed_panels((module.gate_up_proj, module.down_proj))
+        assert stacks[1].data_ptr() == module.down_proj.data_ptr()
+        doubled = module(x, experts, weights)
+        assert torch.allclose(doubled, 2 * in_place, rtol=1e-5, atol=1e-6)
+        module.pack_panels()
+        assert torch.equal(module(x, experts, weights), doubled)
+    assert "gate_up_panels" not in module.state_dict()
+
+
+def test_experts_pack_only_where_the_routed_kernel_reads_panels() -> None:
+    narrow = _experts(3, 48, 24, seed=0)  # 48 and 2 * 24 columns: no panels of 64
+    assert narrow.pack_panels() == 0 and narrow.gate_up_panels is None
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert pack_routed_experts(_experts(3, PANEL, PANEL, seed=0)) == 0  # threads: not routed
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_a_graph_captured_on_packed_experts_replays_like_eager() -> None:
+    module = _experts(5, PANEL, PANEL // 2, seed=2)
+    module.pack_panels()
+    x, experts, weights = _routed_step(module, 6, seed=3)
+    static = StaticMemory()
+    static.register_many((x, experts, weights), "inputs")
+    static.register_module(module, "experts")  # as a runner registers its model
+    with torch.inference_mode():
+        with BreakableCapture(TapeBackend(), static=static) as capture:  # audited
+            out = module(x, experts, weights)
+        for seed in (6, 7):
+            fresh_x, fresh_experts, _ = _routed_step(module, 6, seed)
+            x.copy_(fresh_x)
+            experts.copy_(fresh_experts)
+            capture.replay()
+            assert torch.equal(out, module(x.clone(), experts.clone(), weights))
