@@ -328,7 +328,7 @@ void dsv4_grouped_linear_f32(float *out, const float *x, const float *weight, in
 #include <stdlib.h>
 #include <string.h>
 
-#define EXPERT_ROWS 6 /* rows of one expert multiplied per read of its weights */
+#define PANEL_ROWS 6 /* rows multiplied per read of a matrix in panels */
 
 /* Expert matrices are read in *panels*: a matrix of ``depth`` x ``width`` (an expert's transpose,
  * ``in`` x ``out``) stored as ``width / panel`` panels of ``panel`` columns, each panel's
@@ -372,34 +372,51 @@ static int has_avx512(void) {
     return known;
 }
 
+/* The first ``count`` of 16 lanes (all of them from 16 on, none below 1). */
+static inline __mmask16 lanes(int64_t count) {
+    return count >= 16 ? (__mmask16)0xFFFF : (count > 0 ? (__mmask16)((1u << count) - 1u) : 0);
+}
+
 /* ``panel_columns`` for ROWS rows and at most 64 columns ``q0 .. q0 + count - 1`` of one panel
  * (``wp``, ``panel`` columns wide): the ROWS x 4 sums of 16 columns in registers over the whole
  * depth, each weight vector loaded once for every row, columns past ``count`` masked off. */
+#define STRIP_ZERO(r) __m512 a##r##0 = zero, a##r##1 = zero, a##r##2 = zero, a##r##3 = zero;
+#define STRIP_FMA(r, ROWS)                                                                      \
+    if (ROWS > r) {                                                                             \
+        const __m512 v = _mm512_set1_ps(x##r[i]);                                               \
+        a##r##0 = _mm512_fmadd_ps(v, w0, a##r##0), a##r##1 = _mm512_fmadd_ps(v, w1, a##r##1);   \
+        a##r##2 = _mm512_fmadd_ps(v, w2, a##r##2), a##r##3 = _mm512_fmadd_ps(v, w3, a##r##3);   \
+    }
+#define STRIP_STORE(r, ROWS)                                                                    \
+    if (ROWS > r) {                                                                             \
+        float *o = out[r] + q0;                                                                 \
+        _mm512_mask_storeu_ps(o, m0, a##r##0), _mm512_mask_storeu_ps(o + 16, m1, a##r##1);      \
+        _mm512_mask_storeu_ps(o + 32, m2, a##r##2), _mm512_mask_storeu_ps(o + 48, m3, a##r##3); \
+    }
+/* (The sums are named variables, not an array: GCC 12 stores an array of them to the stack on
+ * every iteration, which made the kernel store-bound at a quarter of its rate.) */
 #define DEFINE_PANEL_STRIP(ROWS)                                                                \
     __attribute__((target("avx512f"))) static void panel_strip_##ROWS(                          \
         float *const *out, const float *const *in, const float *wp, int64_t depth,              \
         int64_t panel, int64_t q0, int64_t count) {                                             \
-        __mmask16 mask[4];                                                                      \
-        for (int c = 0; c < 4; ++c) {                                                           \
-            const int64_t left = count - 16 * c;                                                \
-            mask[c] = left >= 16 ? (__mmask16)0xFFFF                                            \
-                                 : (left > 0 ? (__mmask16)((1u << left) - 1u) : 0);             \
-        }                                                                                       \
-        __m512 acc[ROWS][4];                                                                    \
-        for (int r = 0; r < ROWS; ++r)                                                          \
-            for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();                        \
+        const __mmask16 m0 = lanes(count), m1 = lanes(count - 16), m2 = lanes(count - 32);      \
+        const __mmask16 m3 = lanes(count - 48);                                                 \
+        const float *x0 = in[0], *x1 = in[ROWS > 1 ? 1 : 0], *x2 = in[ROWS > 2 ? 2 : 0];        \
+        const float *x3 = in[ROWS > 3 ? 3 : 0], *x4 = in[ROWS > 4 ? 4 : 0];                     \
+        const float *x5 = in[ROWS > 5 ? 5 : 0];                                                 \
+        const __m512 zero = _mm512_setzero_ps();                                                \
+        STRIP_ZERO(0) STRIP_ZERO(1) STRIP_ZERO(2) STRIP_ZERO(3) STRIP_ZERO(4) STRIP_ZERO(5)     \
         const float *wi = wp + q0;                                                              \
         for (int64_t i = 0; i < depth; ++i, wi += panel) {                                      \
-            __m512 wv[4];                                                                       \
-            for (int c = 0; c < 4; ++c) wv[c] = _mm512_maskz_loadu_ps(mask[c], wi + 16 * c);    \
-            for (int r = 0; r < ROWS; ++r) {                                                    \
-                const __m512 v = _mm512_set1_ps(in[r][i]);                                      \
-                for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_fmadd_ps(v, wv[c], acc[r][c]);   \
-            }                                                                                   \
+            const __m512 w0 = _mm512_maskz_loadu_ps(m0, wi);                                    \
+            const __m512 w1 = _mm512_maskz_loadu_ps(m1, wi + 16);                               \
+            const __m512 w2 = _mm512_maskz_loadu_ps(m2, wi + 32);                               \
+            const __m512 w3 = _mm512_maskz_loadu_ps(m3, wi + 48);                               \
+            STRIP_FMA(0, ROWS) STRIP_FMA(1, ROWS) STRIP_FMA(2, ROWS)                            \
+            STRIP_FMA(3, ROWS) STRIP_FMA(4, ROWS) STRIP_FMA(5, ROWS)                            \
         }                                                                                       \
-        for (int r = 0; r < ROWS; ++r)                                                          \
-            for (int c = 0; c < 4; ++c)                                                         \
-                _mm512_mask_storeu_ps(out[r] + q0 + 16 * c, mask[c], acc[r][c]);               \
+        STRIP_STORE(0, ROWS) STRIP_STORE(1, ROWS) STRIP_STORE(2, ROWS)                          \
+        STRIP_STORE(3, ROWS) STRIP_STORE(4, ROWS) STRIP_STORE(5, ROWS)                          \
     }
 
 DEFINE_PANEL_STRIP(1)
@@ -420,7 +437,7 @@ static void panel_rows(float *const *out, const float *const *in, int rows, cons
     }
     for (int64_t p = 0; p < panels; ++p) {
         const float *wp = w + p * depth * panel;
-        float *shifted[EXPERT_ROWS];
+        float *shifted[PANEL_ROWS];
         for (int r = 0; r < rows; ++r) shifted[r] = out[r] + p * panel;
         for (int64_t q0 = 0; q0 < panel; q0 += 64) {
             const int64_t count = panel - q0 < 64 ? panel - q0 : 64;
@@ -442,6 +459,31 @@ static void panel_rows(float *const *out, const float *const *in, int rows, cons
 }
 #endif
 
+/* ``groups`` independent products of ``rows`` rows on matrices in panels: ``x`` is ``rows`` x
+ * ``groups`` x ``depth`` and ``out`` ``rows`` x ``groups`` x ``panels * panel``, contiguous;
+ * group g's matrix (``depth`` x ``panels * panel``, the transpose of its ``nn.Linear`` weight)
+ * is ``panels`` panels of ``panel`` columns from ``w + g * depth * panels * panel``
+ * (``panel_columns``). The rows go a block of ``PANEL_ROWS`` at a time, each block reading the
+ * matrix once; every output is ``panel_columns``' one: a row's result does not depend on the
+ * rows beside it. */
+void dsv4_linear_panels_f32(float *out, const float *x, const float *w, int64_t rows,
+                            int64_t groups, int64_t depth, int64_t panel, int64_t panels) {
+    const int64_t width = panel * panels;
+    for (int64_t g = 0; g < groups; ++g) {
+        const float *matrix = w + g * depth * width;
+        for (int64_t first = 0; first < rows; first += PANEL_ROWS) {
+            const int block = rows - first < PANEL_ROWS ? (int)(rows - first) : PANEL_ROWS;
+            float *out_rows[PANEL_ROWS];
+            const float *in_rows[PANEL_ROWS];
+            for (int r = 0; r < block; ++r) {
+                out_rows[r] = out + ((first + r) * groups + g) * width;
+                in_rows[r] = x + ((first + r) * groups + g) * depth;
+            }
+            panel_rows(out_rows, in_rows, block, matrix, depth, panel, panels);
+        }
+    }
+}
+
 /* The routed experts of ``dsv4.experts`` in one call: ``out[t] = sum over slots j of
  * weights[t, j] * expert_{experts[t, j]}(x[t])`` (``tokens`` x ``hidden``, contiguous), each
  * expert the clamped SwiGLU of ``dsv4_swiglu_f32`` between two products. ``gate_up`` holds each
@@ -449,7 +491,7 @@ static void panel_rows(float *const *out, const float *const *in, int rows, cons
  * ``gate_up_panel`` columns and ``down`` likewise (``inter`` x ``hidden``, panels of
  * ``down_panel``), one expert after the other (``panel_columns``; a panel as wide as the matrix
  * is the stack laid out ``columns_first``). Slots go by expert, ascending, then by slot; the
- * rows of one expert are multiplied a block of ``EXPERT_ROWS`` at a time, so each chosen
+ * rows of one expert are multiplied a block of ``PANEL_ROWS`` at a time, so each chosen
  * expert's weights are read once per block and an unchosen one never. A token's output is its
  * own slots' terms added to zero in that order (each product rounded, then added): it depends
  * on its routing only, never on the tokens beside it or on the panels. Returns 0; -1 where
@@ -465,7 +507,7 @@ int64_t dsv4_routed_experts_f32(float *out, const float *x, const int64_t *exper
         if (experts[s] < 0 || experts[s] >= num_experts) return -2;
     int64_t *starts = malloc((size_t)(num_experts + 1) * sizeof(int64_t));
     int64_t *order = malloc((size_t)(slots > 0 ? slots : 1) * sizeof(int64_t));
-    float *scratch = malloc((size_t)EXPERT_ROWS * (3 * inter + hidden) * sizeof(float));
+    float *scratch = malloc((size_t)PANEL_ROWS * (3 * inter + hidden) * sizeof(float));
     if (starts == NULL || order == NULL || scratch == NULL) {
         free(starts);
         free(order);
@@ -487,10 +529,10 @@ int64_t dsv4_routed_experts_f32(float *out, const float *x, const int64_t *exper
     free(next);
 
     memset(out, 0, (size_t)(tokens * hidden) * sizeof(float));
-    float *products = scratch, *activated = scratch + EXPERT_ROWS * 2 * inter;
-    float *results = activated + EXPERT_ROWS * inter;
-    float *product_rows[EXPERT_ROWS], *activated_rows[EXPERT_ROWS], *result_rows[EXPERT_ROWS];
-    for (int r = 0; r < EXPERT_ROWS; ++r) {
+    float *products = scratch, *activated = scratch + PANEL_ROWS * 2 * inter;
+    float *results = activated + PANEL_ROWS * inter;
+    float *product_rows[PANEL_ROWS], *activated_rows[PANEL_ROWS], *result_rows[PANEL_ROWS];
+    for (int r = 0; r < PANEL_ROWS; ++r) {
         product_rows[r] = products + r * 2 * inter;
         activated_rows[r] = activated + r * inter;
         result_rows[r] = results + r * hidden;
@@ -498,10 +540,10 @@ int64_t dsv4_routed_experts_f32(float *out, const float *x, const int64_t *exper
     for (int64_t e = 0; e < num_experts; ++e) {
         const float *gate_up_t = gate_up + e * 2 * inter * hidden;
         const float *down_t = down + e * hidden * inter;
-        for (int64_t first = starts[e]; first < starts[e + 1]; first += EXPERT_ROWS) {
+        for (int64_t first = starts[e]; first < starts[e + 1]; first += PANEL_ROWS) {
             const int64_t left = starts[e + 1] - first;
-            const int rows = left < EXPERT_ROWS ? (int)left : EXPERT_ROWS;
-            const float *inputs[EXPERT_ROWS];
+            const int rows = left < PANEL_ROWS ? (int)left : PANEL_ROWS;
+            const float *inputs[PANEL_ROWS];
             for (int r = 0; r < rows; ++r) inputs[r] = x + (order[first + r] / k) * hidden;
             panel_rows(product_rows, inputs, rows, gate_up_t, hidden, gate_up_panel,
                        2 * inter / gate_up_panel);

@@ -17,8 +17,8 @@ clamped-SwiGLU output ``[T, k, hidden]``. Shapes are static and nothing is read 
   chosen expert read once per block of six of its rows, its products by FMA instructions, and
   a token's output independent of the tokens beside it (the other two give each slot's output;
   this one gives their weighted sum). It reads the stacks ``in_panels``: the columns-first
-  stacks themselves as one panel each, or a packed copy in panels of ``PANEL`` columns, which
-  it streams at the machine's read bandwidth (``dsv4.experts.pack_routed_experts``).
+  stacks themselves as one panel each, or a copy in panels of ``PANEL`` columns, which it
+  streams at the machine's read bandwidth (``dsv4.panels``).
 - ``grouped``: the slots sorted by expert (stably) and one matrix product per expert over the
   rows routed to it (``torch._grouped_mm``, group ends from one ``searchsorted``): each chosen
   expert read once however many slots chose it (prefill, large batches). ``_grouped_mm``
@@ -33,12 +33,10 @@ import torch.nn.functional as F
 from dsv4.native_ops import ROUTED_EXPERTS_INTO, SWIGLU_INTO, native_takes, row_stride
 
 __all__ = [
-    "PANEL",
     "ROUTED_TOKENS",
     "bagged",
     "grouped",
     "grouped_fits",
-    "in_panels",
     "routed",
     "routed_takes",
     "swiglu",
@@ -50,28 +48,6 @@ ROUTED_TOKENS = 64
 512 x 512 and 256 x 512, 4 slots per token: 0.4x bagged's time at 1 token, 0.5-0.7x grouped's
 at 16, level with grouped at 32, 1.1-1.2x its time at 64, where grouped's products of 16 rows
 per expert reach MKL's rate)."""
-
-
-PANEL = 64
-"""Columns per panel of a packed stack (``in_panels``): each expert's transpose cut into panels
-this wide, each panel contiguous, so the routed kernel reads a panel as one stream while its
-sums stay in registers (measured, one thread, 96 matrices of 512 x 512 read from memory, four
-rows: 29 GB/s, the read bandwidth a plain sum reaches, against 9-11 GB/s for every order that
-reads 64 columns of a whole columns-first matrix)."""
-
-
-def in_panels(stack: torch.Tensor, panel: int | None = None) -> torch.Tensor:
-    """``stack [E, out, in]`` laid out columns first as ``[E, out / panel, in, panel]``: each
-    expert's transpose cut into panels of ``panel`` columns, each panel contiguous (a copy), or
-    with ``panel=None`` one panel, the stack itself (a view, contiguous where the stack is laid
-    out columns first)."""
-    num_experts, out, width = stack.shape
-    transposed = stack.transpose(1, 2)
-    if panel is None:
-        return transposed.unsqueeze(1)
-    if out % panel:
-        raise ValueError(f"{out} columns do not cut into panels of {panel}")
-    return transposed.reshape(num_experts, width, out // panel, panel).transpose(1, 2).contiguous()
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

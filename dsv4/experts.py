@@ -31,17 +31,16 @@ import torch
 from torch import nn
 
 from dsv4.expert_kernels import (
-    PANEL,
     bagged,
     grouped,
     grouped_fits,
-    in_panels,
     routed,
     routed_takes,
     swiglu,
     swiglu_of,
 )
 from dsv4.layers import as_dtype, read_rows
+from dsv4.panels import PanelCopy, in_panels, panel_width
 
 __all__ = [
     "BAG_SLOTS_PER_EXPERT",
@@ -50,7 +49,6 @@ __all__ = [
     "ExpertFormulations",
     "Experts",
     "columns_first",
-    "pack_routed_experts",
     "swiglu",
 ]
 
@@ -240,13 +238,10 @@ class Experts(ExpertFormulations):
         )
         nn.init.zeros_(self.gate_up_proj)
         nn.init.zeros_(self.down_proj)
-        # the routed formulation's packed copy (pack_panels): buffers, so that graphs may read
-        # them, never saved; and the parameters' _sources it was packed from
+        # the routed formulation's copies in panels (pack_panels)
         self.gate_up_panels: torch.Tensor | None
         self.down_panels: torch.Tensor | None
-        self.register_buffer("gate_up_panels", None, persistent=False)
-        self.register_buffer("down_panels", None, persistent=False)
-        self._packed_from: tuple[tuple[int, int], ...] | None = None
+        self._copies = (PanelCopy(self, "gate_up_panels"), PanelCopy(self, "down_panels"))
 
     def _stack_shape(self) -> tuple[int, int, int]:
         num_experts, double_inter, hidden_size = self.gate_up_proj.shape
@@ -261,46 +256,24 @@ class Experts(ExpertFormulations):
     def _resident_stacks(self, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.gate_up_proj, self.down_proj
 
-    def _sources(self) -> tuple[tuple[int, int], ...]:
-        """Where both stacks live and how often they were written (their version counters)."""
-        return tuple((p.data_ptr(), p._version) for p in (self.gate_up_proj, self.down_proj))
-
     def pack_panels(self) -> int:
-        """Keep a copy of both stacks packed in panels of ``PANEL`` columns (``in_panels``) for
-        the routed formulation, where it can read them: float32 CPU stacks whose widths cut
-        into panels. Returns the bytes the copy holds (0: none kept).
-
-        The copy is read while the parameters hold what it was packed from (the same storage,
-        not written since, by their version counters); once they are written or moved, the
-        routed formulation reads them in place again (the same values, at a third of the
-        bandwidth) until the next ``pack_panels``. A graph reads what its capture chose: pack
-        once the weights are final, before capturing (``build_engine`` does)."""
-        self.gate_up_panels = self.down_panels = self._packed_from = None
-        stacks = (self.gate_up_proj, self.down_proj)
-        if not all(
-            s.device.type == "cpu" and s.dtype == torch.float32 and s.shape[1] % PANEL == 0
-            for s in stacks
-        ):
+        """Keep a copy of both stacks in panels (``dsv4.panels``) for the routed formulation,
+        where it can read them: float32 CPU stacks with a ``panel_width``.
+        Returns the bytes the copies hold (0: none kept). They are read while the parameters
+        hold what they were packed from (``PanelCopy``); a graph reads what its capture chose,
+        so pack once the weights are final, before capturing (``build_engine`` does)."""
+        parameters = (self.gate_up_proj, self.down_proj)
+        if any(panel_width(p.shape[1]) is None for p in parameters):
             return 0
-        with torch.no_grad():
-            self.gate_up_panels, self.down_panels = (in_panels(s.detach(), PANEL) for s in stacks)
-        self._packed_from = self._sources()
-        return sum(p.numel() * p.element_size() for p in (self.gate_up_panels, self.down_panels))
+        return sum(c.pack(self, p, p) for c, p in zip(self._copies, parameters, strict=True))
 
     def _routed_panels(
         self, stacks: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The packed copy while it holds the parameters' values (``pack_panels``), else the
-        parameters themselves, one panel each."""
-        gate_up, down = self.gate_up_panels, self.down_panels
-        if gate_up is None or down is None or self._packed_from != self._sources():
+        """The copies in panels while they hold the parameters' values (``pack_panels``), else
+        the parameters themselves, one panel each."""
+        gate_up = self._copies[0].get(self, self.gate_up_proj)
+        down = self._copies[1].get(self, self.down_proj)
+        if gate_up is None or down is None:
             return super()._routed_panels(stacks)
         return gate_up, down
-
-
-def pack_routed_experts(model: nn.Module) -> int:
-    """``Experts.pack_panels`` on every plain expert stack of ``model`` when this process runs
-    torch on one thread (the routed formulation's case); returns the bytes the copies hold."""
-    if torch.get_num_threads() != 1:
-        return 0
-    return sum(m.pack_panels() for m in model.modules() if isinstance(m, Experts))

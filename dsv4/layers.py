@@ -18,12 +18,15 @@ from dsv4.native_ops import (
     GATHER_ROWS_INTO,
     GROUPED_LINEAR_INTO,
     LINEAR_INTO,
+    LINEAR_PANELS_INTO,
     RMS_NORM_INTO,
     native_takes,
     rows_take,
 )
+from dsv4.panels import PanelCopy
 
 __all__ = [
+    "PANEL_ROWS",
     "SKINNY_ROWS",
     "GroupedLinear",
     "Linear",
@@ -40,6 +43,19 @@ SKINNY_ROWS = 4
 """Rows up to which a float32 product on one CPU thread runs the native kernel
 (``dsv4_linear_f32``, FMA: 2-3x MKL's speed at one row, 1.5-2x at four; at 8 rows level with
 it or faster, at 16 up to 1.3x slower, so MKL runs above four)."""
+
+
+PANEL_ROWS = 64
+"""Rows up to which, above ``SKINNY_ROWS``, a float32 product on one CPU thread reads its
+module's copy of the weight in panels (``dsv4.panels``; ``LINEAR_PANELS_INTO``) instead of
+running MKL."""
+
+
+def _in_panel_rows(x: torch.Tensor, row_width: int) -> bool:
+    """Whether ``x`` is more than ``SKINNY_ROWS`` and at most ``PANEL_ROWS`` rows of
+    ``row_width`` values, on one thread: the products that read a copy in panels."""
+    rows = x.numel() // row_width if row_width else 0
+    return SKINNY_ROWS < rows <= PANEL_ROWS and torch.get_num_threads() == 1
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -75,12 +91,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 class Linear(nn.Linear):
     """``nn.Linear`` without bias whose forward is ``linear`` (same parameters, same checkpoint
-    names; quantized loading replaces it as it replaces ``nn.Linear``)."""
+    names; quantized loading replaces it as it replaces ``nn.Linear``), or, for ``PANEL_ROWS``
+    float32 rows on one thread, one native product on its copy of the weight in panels
+    (``pack_panels``)."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
+        self.weight_panels: torch.Tensor | None
+        self._copy = PanelCopy(self, "weight_panels")
+
+    def pack_panels(self) -> int:
+        """Keep a copy of the weight in panels (``PanelCopy``); returns the bytes it holds."""
+        return self._copy.pack(self, self.weight.unsqueeze(0), self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _in_panel_rows(x, self.in_features) and native_takes(x):
+            panels = self._copy.get(self, self.weight)
+            if panels is not None:
+                out = x.new_empty(*x.shape[:-1], self.out_features)
+                LINEAR_PANELS_INTO(out, x, panels)
+                return out
         return linear(x, self.weight)
 
 
@@ -137,10 +167,25 @@ class GroupedLinear(nn.Module):
         super().__init__()
         self.groups = groups
         self.weight = nn.Parameter(torch.empty(out_total, in_per_group))
+        self.weight_panels: torch.Tensor | None
+        self._copy = PanelCopy(self, "weight_panels")
+
+    def pack_panels(self) -> int:
+        """Keep a copy of each group's weight in panels (``PanelCopy``); returns its bytes."""
+        return self._copy.pack(
+            self, self.weight.view(self.groups, -1, self.weight.shape[-1]), self.weight
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Like ``linear``: a decode step's few float32 rows on one CPU thread take one native
-        op (each group's weights read once for all rows), anything else ATen's ``einsum``."""
+        """Like ``Linear``: a decode step's few float32 rows on one CPU thread take one native
+        op (each group's weights read once for all rows; for up to ``PANEL_ROWS`` rows on the
+        copy in panels), anything else ATen's ``einsum``."""
+        if x.dim() > 1 and _in_panel_rows(x, x.shape[-1] * x.shape[-2]) and native_takes(x):
+            panels = self._copy.get(self, self.weight)
+            if panels is not None:
+                out = x.new_empty(*x.shape[:-1], panels.shape[1] * panels.shape[3])
+                LINEAR_PANELS_INTO(out, x, panels)
+                return out
         w = self.weight.view(self.groups, -1, self.weight.shape[-1])
         if x.dim() > 1 and skinny(x, x.shape[-1] * x.shape[-2]) and native_takes(x, w):
             out = x.new_empty(*x.shape[:-1], w.shape[1])

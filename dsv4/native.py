@@ -31,6 +31,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "dsv4_rope_f32": [_POINTER] * 4 + [_SIZE, _POINTER] + [_SIZE] * 4,
     "dsv4_linear_f32": [_POINTER] * 3 + [_SIZE] * 3,
     "dsv4_grouped_linear_f32": [_POINTER] * 3 + [_SIZE] * 4,
+    "dsv4_linear_panels_f32": [_POINTER] * 3 + [_SIZE] * 5,
     "dsv4_routed_experts_f32": [_POINTER] * 6 + [_SIZE] * 7 + [_FLOAT],
     "dsv4_stable_topk_f32": [_POINTER] * 2 + [_SIZE] * 3,
     "dsv4_route_f32": [_POINTER] * 6 + [_SIZE] * 4 + [_FLOAT],

@@ -31,6 +31,7 @@ __all__ = [
     "HC_WEIGHTS_INTO",
     "INDEX_SCORES_INTO",
     "LINEAR_INTO",
+    "LINEAR_PANELS_INTO",
     "POOL_INTO",
     "RMS_NORM_INTO",
     "ROPE_INTO",
@@ -58,6 +59,7 @@ _LIBRARY.define(
 )
 _LIBRARY.define("linear_into(Tensor(a!) out, Tensor x, Tensor weight) -> ()")
 _LIBRARY.define("grouped_linear_into(Tensor(a!) out, Tensor x, Tensor weight) -> ()")
+_LIBRARY.define("linear_panels_into(Tensor(a!) out, Tensor x, Tensor panels) -> ()")
 _LIBRARY.define(
     "routed_experts_into(Tensor(a!) out, Tensor x, Tensor experts, Tensor weights, "
     "Tensor gate_up, Tensor down, float limit) -> ()"
@@ -312,6 +314,30 @@ def _bind_rope(
         x.numel() // (tokens * width),
         width,
         int(inverse),
+    )
+
+
+def _bind_linear_panels(out: torch.Tensor, x: torch.Tensor, panels: torch.Tensor) -> BoundCall:
+    assert KERNELS is not None
+    _require(panels.dim() == 4, "linear_panels_into", "panels [G, out / P, in, P]")
+    groups, count, depth, panel = panels.shape
+    rows = x.numel() // (groups * depth) if groups * depth else 0
+    _require(
+        x.numel() == rows * groups * depth and out.numel() == rows * groups * count * panel,
+        "linear_panels_into",
+        "x [..., G * in] and out [..., G * out] for panels [G, out / P, in, P]",
+    )
+    return bound_call(
+        KERNELS.dsv4_linear_panels_f32,
+        (out, x, panels),
+        out.data_ptr(),
+        x.data_ptr(),
+        panels.data_ptr(),
+        rows,
+        groups,
+        depth,
+        panel,
+        count,
     )
 
 
@@ -677,6 +703,7 @@ _BINDERS: dict[str, Binder] = {
     "hc_mix_into": _bind_hc_mix,
     "linear_into": _bind_linear,
     "grouped_linear_into": _bind_grouped_linear,
+    "linear_panels_into": _bind_linear_panels,
     "swiglu_into": _bind_swiglu,
     "rope_into": _bind_rope,
     "routed_experts_into": _bind_routed_experts,
@@ -705,6 +732,7 @@ STABLE_TOPK_INTO = torch.ops.dsv4.stable_topk_into.default
 SWIGLU_INTO = torch.ops.dsv4.swiglu_into.default
 SWIGLU_MLP_INTO = torch.ops.dsv4.swiglu_mlp_into.default
 LINEAR_INTO = torch.ops.dsv4.linear_into.default
+LINEAR_PANELS_INTO = torch.ops.dsv4.linear_panels_into.default
 POOL_INTO = torch.ops.dsv4.pool_into.default
 GROUPED_LINEAR_INTO = torch.ops.dsv4.grouped_linear_into.default
 GATHER_ROWS_INTO = torch.ops.dsv4.gather_rows_into.default

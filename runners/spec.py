@@ -36,9 +36,9 @@ import torch.distributed as dist
 from dsv4 import DeepseekV4Config, DeepseekV4ForCausalLM, load_checkpoint
 from dsv4.config import ARCHITECTURE
 from dsv4.dtypes import COMPUTE_DTYPES, DTYPE_CHOICES, dtype_name, resolve_dtype
-from dsv4.experts import pack_routed_experts
 from dsv4.generation_config import stop_token_ids
 from dsv4.hf_config import checkpoint_architecture, load_config
+from dsv4.panels import pack_model
 from dsv4.parallel import SINGLE, TensorParallel, check_parallel_size
 from dsv4.quantized_loading import LOAD_MODES
 from dsv4.sharding import shard_model
@@ -252,7 +252,7 @@ def build_engine(spec: EngineSpec, *, model: DeepseekV4ForCausalLM | None = None
         model = build_model(spec)
     apply_threads(spec.threads, model.config.hidden_size)
     model = model.to(platform.device)
-    pack_routed_experts(model)
+    pack_model(model)
     plan = None
     layout = spec.layout
     if layout is None:

@@ -20,9 +20,10 @@ from hypothesis import strategies as st
 
 from dsv4 import native
 from dsv4.config import DeepseekV4Config
-from dsv4.expert_kernels import bagged, grouped, grouped_fits, in_panels, routed, routed_takes
+from dsv4.expert_kernels import bagged, grouped, grouped_fits, routed, routed_takes
 from dsv4.experts import BAG_SLOTS_PER_EXPERT
 from dsv4.moe import Experts, Router
+from dsv4.panels import in_panels
 from graphs.op_count import OpCounter
 
 

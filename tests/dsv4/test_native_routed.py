@@ -15,9 +15,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dsv4 import native
-from dsv4.expert_kernels import PANEL, ROUTED_TOKENS, in_panels, routed, routed_takes
-from dsv4.experts import Experts, pack_routed_experts
+from dsv4.expert_kernels import ROUTED_TOKENS, routed, routed_takes
+from dsv4.experts import Experts
 from dsv4.native_ops import ROUTED_EXPERTS_INTO
+from dsv4.panels import PANEL, in_panels, pack_model
 from graphs import BreakableCapture, TapeBackend
 from graphs.static_memory import StaticMemory
 
@@ -175,7 +176,7 @@ def test_packed_experts_give_the_same_bits_until_their_weights_are_written() -> 
     x, experts, weights = _routed_step(module, 9, seed=5)
     with torch.inference_mode():
         in_place = module(x, experts, weights)
-        assert pack_routed_experts(module) == 4 * (3 * 6 * 2 * PANEL * PANEL)
+        assert pack_model(module) == 4 * (3 * 6 * 2 * PANEL * PANEL)
         assert module.gate_up_panels is not None
         assert module._routed_panels((module.gate_up_proj, module.down_proj))[0].shape == (
             6,
@@ -195,12 +196,12 @@ def test_packed_experts_give_the_same_bits_until_their_weights_are_written() -> 
 
 
 def test_experts_pack_only_where_the_routed_kernel_reads_panels() -> None:
-    narrow = _experts(3, 48, 24, seed=0)  # 48 and 2 * 24 columns: no panels of 64
-    assert narrow.pack_panels() == 0 and narrow.gate_up_panels is None
+    ragged = _experts(3, 96, 48, seed=0)  # 96 columns: wider than a panel, not a multiple
+    assert ragged.pack_panels() == 0 and ragged.gate_up_panels is None
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        assert pack_routed_experts(_experts(3, PANEL, PANEL, seed=0)) == 0  # threads: not routed
+        assert pack_model(_experts(3, PANEL, PANEL, seed=0)) == 0  # threads: not routed
     finally:
         torch.set_num_threads(previous)
 

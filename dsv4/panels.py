@@ -1,0 +1,108 @@
+"""Weights packed in panels: the layout the native products of a few rows read fastest.
+
+A matrix of ``depth`` x ``width`` (the transpose of an ``nn.Linear`` weight, ``in`` x ``out``,
+or of one expert) in panels of ``panel`` columns is ``width / panel`` panels, each of its
+``depth`` x ``panel`` values contiguous, one after the other; a stack of such matrices is
+``[E, width / panel, depth, panel]`` (``in_panels``). The native kernels
+(``dsv4/_kernels.c``: ``panel_columns``) then read a panel as one stream while its sums stay
+in registers, and every output is the same sum of fused multiply-adds, ``i`` ascending, whatever
+the panels: a copy in panels computes what the matrix itself computes, bit for bit.
+
+Modules keep such a copy beside their parameters (``PanelCopy``) for the one-thread CPU path:
+it is made once the weights are final (``pack_model``, which ``runners.spec.build_engine``
+calls) and read only while the parameters hold what it was packed from.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["PANEL", "PanelCopy", "in_panels", "pack_model", "panel_width"]
+
+PANEL = 64
+"""Columns per panel (measured, one thread, 96 matrices of 512 x 512 read from memory, four
+rows: 29 GB/s in panels of 64 columns, the read bandwidth a plain sum reaches, against 9-11 GB/s
+for every order that reads 64 columns of a whole matrix laid out columns first)."""
+
+
+def panel_width(columns: int) -> int | None:
+    """The panel a matrix of ``columns`` columns is packed in: ``PANEL`` where it divides them,
+    else none (a narrower panel would leave most of the kernel's 64 sums idle: 16 columns took
+    12x MKL's time at 16 rows)."""
+    return PANEL if columns > 0 and columns % PANEL == 0 else None
+
+
+def in_panels(stack: torch.Tensor, panel: int | None = None) -> torch.Tensor:
+    """``stack [E, out, in]`` as ``[E, out / panel, in, panel]``: each matrix's transpose cut
+    into panels of ``panel`` columns, each panel contiguous (a copy), or with ``panel=None`` one
+    panel, the stack itself (a view, contiguous where the stack is laid out columns first)."""
+    num_experts, out, width = stack.shape
+    transposed = stack.transpose(1, 2)
+    if panel is None:
+        return transposed.unsqueeze(1)
+    if out % panel:
+        raise ValueError(f"{out} columns do not cut into panels of {panel}")
+    return transposed.reshape(num_experts, width, out // panel, panel).transpose(1, 2).contiguous()
+
+
+class PanelCopy:
+    """A module's copy of one of its float32 CPU weights in panels, in the module's buffer
+    ``name`` (so that a graph may read it; never saved), with where the weight lived and its
+    version counter when it was packed: the copy is handed out only while the weight still holds
+    what it was packed from. Written or moved since, the weight is read itself again (the same
+    values, slower) until the next ``pack``."""
+
+    def __init__(self, module: nn.Module, name: str) -> None:
+        self.name = name
+        self._packed_from: tuple[int, int] | None = None
+        module.register_buffer(name, None, persistent=False)
+
+    def pack(self, module: nn.Module, stack: torch.Tensor, source: torch.Tensor) -> int:
+        """Pack ``stack [E, out, in]`` (a view of ``source``) in panels of ``panel_width(out)``:
+        returns the bytes held (0, and nothing kept, where it is not float32 on the CPU, has no
+        panel width, or ``source`` is an inference tensor, whose writes no counter records)."""
+        self.drop(module)
+        panel = panel_width(stack.shape[1])
+        if (
+            panel is None
+            or stack.dtype != torch.float32
+            or stack.device.type != "cpu"
+            or source.is_inference()
+        ):
+            return 0
+        with torch.no_grad():
+            copy = in_panels(stack.detach(), panel)
+        setattr(module, self.name, copy)
+        self._packed_from = _source(source)
+        return copy.numel() * copy.element_size()
+
+    def drop(self, module: nn.Module) -> None:
+        """Hold no copy."""
+        setattr(module, self.name, None)
+        self._packed_from = None
+
+    def get(self, module: nn.Module, source: torch.Tensor) -> torch.Tensor | None:
+        """The copy while ``source`` holds what it was packed from, else ``None``."""
+        copy: torch.Tensor | None = getattr(module, self.name)
+        if copy is None or self._packed_from != _source(source):
+            return None
+        return copy
+
+
+def _source(parameter: torch.Tensor) -> tuple[int, int]:
+    """Where ``parameter`` lives and how often it was written (its version counter)."""
+    return parameter.data_ptr(), parameter._version
+
+
+def pack_model(model: nn.Module) -> int:
+    """Pack every module of ``model`` with a ``pack_panels`` method when this process runs torch
+    on one thread (the only case that reads the copies); returns the bytes the copies hold."""
+    if torch.get_num_threads() != 1:
+        return 0
+    total = 0
+    for module in model.modules():
+        pack = getattr(module, "pack_panels", None)
+        if callable(pack):
+            total += pack()
+    return total

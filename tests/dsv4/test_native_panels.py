@@ -1,0 +1,140 @@
+"""Products on weights packed in panels (``dsv4.panels``): ``Linear`` and ``GroupedLinear`` read
+their copy for more than ``SKINNY_ROWS`` and at most ``PANEL_ROWS`` float32 rows on one thread.
+Each output is one float32 sum of fused multiply-adds (within a float32 sum's bound of the
+float64 definition), a row's result does not depend on the rows beside it, and the copy is read
+only while the weight holds what it was packed from."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dsv4 import native
+from dsv4.layers import PANEL_ROWS, SKINNY_ROWS, GroupedLinear, Linear
+from dsv4.panels import PANEL, pack_model, panel_width
+from graphs import BreakableCapture, TapeBackend
+from graphs.op_count import OpCounter
+from graphs.static_memory import StaticMemory
+
+pytestmark = pytest.mark.skipif(native.KERNELS is None, reason=native.reason)
+
+
+def _linear(in_features: int, out_features: int, seed: int) -> Linear:
+    module = Linear(in_features, out_features)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(out_features, in_features, generator=generator))
+    return module
+
+
+def _ops(module: torch.nn.Module, x: torch.Tensor) -> dict[str, int]:
+    counter = OpCounter()
+    with torch.inference_mode(), counter:
+        module(x)
+    return dict(counter.by_name)
+
+
+@given(
+    rows=st.integers(SKINNY_ROWS + 1, PANEL_ROWS),
+    in_features=st.integers(1, 200),
+    panels=st.integers(1, 3),
+    spread=st.sampled_from([1e-3, 1.0, 1e3]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_product_in_panels_is_within_a_float32_sums_bound_and_rows_are_independent(
+    rows: int, in_features: int, panels: int, spread: float, seed: int
+) -> None:
+    module = _linear(in_features, panels * PANEL, seed)
+    assert module.pack_panels() == 4 * in_features * panels * PANEL
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(seed)) * spread
+    with torch.inference_mode():
+        got = module(x)
+        padded = [
+            module(x[m : m + 1].expand(SKINNY_ROWS + 1, -1).contiguous()) for m in range(rows)
+        ]
+    assert _ops(module, x).get("linear_panels_into") == 1
+    exact = x.double() @ module.weight.double().T
+    magnitude = x.double().abs() @ module.weight.double().abs().T
+    assert bool(((got.double() - exact).abs() <= in_features * 2**-24 * magnitude).all())
+    assert all(torch.equal(got[m], row[0]) for m, row in enumerate(padded))
+
+
+def test_the_grouped_product_in_panels_is_each_groups_product() -> None:
+    module = GroupedLinear(in_per_group=48, out_total=3 * PANEL * 2, groups=3)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(module.weight.shape, generator=generator))
+    module.pack_panels()
+    x = torch.randn(2, 4, 3, 48, generator=generator)  # 8 rows of 3 groups
+    assert _ops(module, x).get("linear_panels_into") == 1
+    for g in range(3):
+        alone = _linear(48, 2 * PANEL, 0)
+        with torch.no_grad():
+            alone.weight.copy_(module.weight[g * 2 * PANEL : (g + 1) * 2 * PANEL])
+        alone.pack_panels()
+        with torch.inference_mode():
+            assert torch.equal(module(x)[:, :, g], alone(x[:, :, g].contiguous()))
+
+
+def test_the_copy_is_read_only_while_the_weight_holds_what_it_was_packed_from() -> None:
+    module = _linear(32, PANEL, seed=1)
+    x = torch.randn(SKINNY_ROWS + 3, 32)
+    assert "linear_panels_into" not in _ops(module, x)  # not packed: ATen's product
+    module.pack_panels()
+    with torch.inference_mode():
+        before = module(x)
+        with torch.no_grad():
+            module.weight.mul_(-1.0)
+        assert "linear_panels_into" not in _ops(module, x)  # written since: the weight is read
+        torch.testing.assert_close(module(x), -before, rtol=1e-5, atol=1e-5)
+    module.pack_panels()
+    with torch.inference_mode():
+        assert torch.equal(module(x), -before)  # the sums of the negated terms
+    assert "weight_panels" not in module.state_dict()
+
+
+def test_only_panel_sized_rows_on_one_thread_read_the_copy() -> None:
+    module = _linear(16, 2 * PANEL, seed=2)
+    pack_model(module)
+    for rows, native_rows in ((SKINNY_ROWS, False), (PANEL_ROWS, True), (PANEL_ROWS + 1, False)):
+        assert ("linear_panels_into" in _ops(module, torch.randn(rows, 16))) is native_rows
+    assert "linear_panels_into" not in _ops(module, torch.randn(8, 32)[:, ::2])  # strided rows
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert "linear_panels_into" not in _ops(module, torch.randn(8, 16))
+        assert pack_model(_linear(16, PANEL, seed=0)) == 0  # nothing reads a copy: none made
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_weights_pack_only_into_whole_panels() -> None:
+    assert [panel_width(c) for c in (PANEL, 3 * PANEL, 24, 96, 0)] == [
+        PANEL,
+        PANEL,
+        None,
+        None,
+        None,
+    ]
+    narrow = _linear(32, 24, seed=0)
+    assert narrow.pack_panels() == 0 and narrow.weight_panels is None
+    with torch.inference_mode():  # an inference tensor's writes are not counted: never packed
+        assert _linear(32, PANEL, seed=0).pack_panels() == 0
+
+
+def test_a_graph_captured_on_a_copy_in_panels_replays_like_eager() -> None:
+    module = _linear(40, PANEL, seed=3)
+    module.pack_panels()
+    x = torch.randn(SKINNY_ROWS + 2, 40)
+    static = StaticMemory()
+    static.register(x, "x")
+    static.register_module(module, "linear")
+    with torch.inference_mode():
+        with BreakableCapture(TapeBackend(), static=static) as capture:  # audited
+            out = module(x)
+        for seed in (1, 2):
+            x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)))
+            capture.replay()
+            assert torch.equal(out, module(x.clone()))
