@@ -21,6 +21,46 @@ static struct PyModuleDef kernels_module = {
 
 PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&kernels_module); }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+static int has_fma(void) {
+    static int known = -1;
+    if (known < 0) known = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return known;
+}
+
+static int has_avx512(void) {
+    static int known = -1;
+    if (known < 0) known = __builtin_cpu_supports("avx512f");
+    return known;
+}
+
+/* A kernel whose body ``name##_body`` is compiled twice, for AVX-512 and for the baseline, the
+ * first chosen where the CPU has it. The body does each element's operations in its own order
+ * (no reduction the compiler could reorder, no contraction: ``-ffp-contract=off``), so the
+ * wider vectors compute the same bits. */
+/* The first ``count`` of 16 lanes (all of them from 16 on, none below 1). */
+static inline __mmask16 lanes(int64_t count) {
+    return count >= 16 ? (__mmask16)0xFFFF : (count > 0 ? (__mmask16)((1u << count) - 1u) : 0);
+}
+
+#define TWO_ISAS(name, params, args)                                                            \
+    __attribute__((target("avx512f"))) static void name##_avx512 params { name##_body args; }   \
+    static void name##_baseline params { name##_body args; }                                    \
+    static void name params {                                                                   \
+        if (has_avx512())                                                                       \
+            name##_avx512 args;                                                                 \
+        else                                                                                    \
+            name##_baseline args;                                                               \
+    }
+#else
+static int has_fma(void) { return 0; }
+static int has_avx512(void) { return 0; }
+#define TWO_ISAS(name, params, args) \
+    static void name params { name##_body args; }
+#endif
+
 /* ``iters`` Sinkhorn rounds, columns first, on the top-left n x n block of one contiguous float32
  * matrix of (n + 1) x (n + 1), in place. Its last row and column hold eps: a column's sum is its
  * n entries then the eps row below them, a row's sum its n entries then the eps column, added
@@ -93,10 +133,8 @@ void dsv4_hc_weights_f32(float *pre, float *post, float *bordered, const float *
     }
 }
 
-/* ``out[t, h] = sum over i of pre[t, i] * x[t, i, h]`` (``tokens`` x n x ``hidden`` float32
- * ``x``, contiguous): the pre-weighted sum of the streams, i ascending. */
-void dsv4_hc_collapse_f32(float *out, const float *pre, const float *x, int64_t tokens,
-                          int64_t n, int64_t hidden) {
+static inline void hc_collapse_body(float *out, const float *pre, const float *x,
+                                    int64_t tokens, int64_t n, int64_t hidden) {
     for (int64_t t = 0; t < tokens; ++t) {
         float *dst = out + t * hidden;
         for (int64_t h = 0; h < hidden; ++h) dst[h] = 0.0f;
@@ -107,13 +145,21 @@ void dsv4_hc_collapse_f32(float *out, const float *pre, const float *x, int64_t 
     }
 }
 
-/* New streams after a block (``dsv4.hyper.mix``): ``out[t, m, h] = post[t, m] * output[t, h]
- * + sum over i of comb_t[t, m, i] * streams[t, i, h]``, the sum over i ascending and added last.
- * ``comb_t`` is read through its strides (a transposed view of ``bordered``); everything else
- * is contiguous float32. */
-void dsv4_hc_mix_f32(float *out, const float *streams, const float *post, const float *comb_t,
-                     int64_t comb_stride_t, int64_t comb_stride_m, int64_t comb_stride_i,
-                     const float *output, int64_t tokens, int64_t n, int64_t hidden) {
+TWO_ISAS(hc_collapse, (float *out, const float *pre, const float *x, int64_t tokens, int64_t n,
+                       int64_t hidden),
+         (out, pre, x, tokens, n, hidden))
+
+/* ``out[t, h] = sum over i of pre[t, i] * x[t, i, h]`` (``tokens`` x n x ``hidden`` float32
+ * ``x``, contiguous): the pre-weighted sum of the streams, i ascending. */
+void dsv4_hc_collapse_f32(float *out, const float *pre, const float *x, int64_t tokens,
+                          int64_t n, int64_t hidden) {
+    hc_collapse(out, pre, x, tokens, n, hidden);
+}
+
+static inline void hc_mix_body(float *out, const float *streams, const float *post,
+                               const float *comb_t, int64_t comb_stride_t, int64_t comb_stride_m,
+                               int64_t comb_stride_i, const float *output, int64_t tokens,
+                               int64_t n, int64_t hidden) {
     for (int64_t t = 0; t < tokens; ++t) {
         for (int64_t m = 0; m < n; ++m) {
             float *dst = out + (t * n + m) * hidden;
@@ -129,18 +175,38 @@ void dsv4_hc_mix_f32(float *out, const float *streams, const float *post, const 
     }
 }
 
-/* RMS norm of each of ``rows`` contiguous rows of ``width`` float32 values into ``out``:
- * ``x * (1 / sqrt(mean(x^2) + eps))``, then times ``weight`` (``width`` values) unless it is
- * NULL — ATen's ``rms_norm`` in the order it rounds, except that the sum of squares is
- * accumulated in double (ATen's vectorised float sum rounds differently; the mean then differs
- * from ATen's by at most a rounding of its own). */
-void dsv4_rms_norm_f32(float *out, const float *x, const float *weight, int64_t rows,
-                       int64_t width, float eps) {
+TWO_ISAS(hc_mix, (float *out, const float *streams, const float *post, const float *comb_t,
+                  int64_t comb_stride_t, int64_t comb_stride_m, int64_t comb_stride_i,
+                  const float *output, int64_t tokens, int64_t n, int64_t hidden),
+         (out, streams, post, comb_t, comb_stride_t, comb_stride_m, comb_stride_i, output, tokens,
+          n, hidden))
+
+/* New streams after a block (``dsv4.hyper.mix``): ``out[t, m, h] = post[t, m] * output[t, h]
+ * + sum over i of comb_t[t, m, i] * streams[t, i, h]``, the sum over i ascending and added last.
+ * ``comb_t`` is read through its strides (a transposed view of ``bordered``); everything else
+ * is contiguous float32. */
+void dsv4_hc_mix_f32(float *out, const float *streams, const float *post, const float *comb_t,
+                     int64_t comb_stride_t, int64_t comb_stride_m, int64_t comb_stride_i,
+                     const float *output, int64_t tokens, int64_t n, int64_t hidden) {
+    hc_mix(out, streams, post, comb_t, comb_stride_t, comb_stride_m, comb_stride_i, output,
+           tokens, n, hidden);
+}
+
+#define SQUARE_LANES 16
+
+static inline void rms_norm_body(float *out, const float *x, const float *weight, int64_t rows,
+                                 int64_t width, float eps) {
+    const int64_t body = width - width % SQUARE_LANES;
     for (int64_t r = 0; r < rows; ++r) {
         const float *row = x + r * width;
         float *dst = out + r * width;
+        double lanes[SQUARE_LANES] = {0.0};
+        for (int64_t i = 0; i < body; i += SQUARE_LANES)
+            for (int l = 0; l < SQUARE_LANES; ++l)
+                lanes[l] += (double)row[i + l] * (double)row[i + l];
         double squares = 0.0;
-        for (int64_t i = 0; i < width; ++i) squares += (double)row[i] * (double)row[i];
+        for (int l = 0; l < SQUARE_LANES; ++l) squares += lanes[l];
+        for (int64_t i = body; i < width; ++i) squares += (double)row[i] * (double)row[i];
         const float mean = (float)(squares / (double)width);
         const float scale = 1.0f / sqrtf(mean + eps);
         if (weight == NULL) {
@@ -151,22 +217,151 @@ void dsv4_rms_norm_f32(float *out, const float *x, const float *weight, int64_t 
     }
 }
 
-/* The clamped SwiGLU of ``rows`` x ``width`` float32 values (``dsv4.expert_kernels.swiglu``):
- * ``silu(min(gate, limit)) * clamp(up, -limit, limit)``, silu as ATen's ``x / (1 + exp(-x))``
- * (its exp may differ in the last place), NaN kept as ATen's clamp keeps it. ``gate`` and ``up``
- * rows start ``gate_stride`` and ``up_stride`` values apart (the two halves of one product);
- * ``out`` is contiguous. */
-void dsv4_swiglu_f32(float *out, const float *gate, int64_t gate_stride, const float *up,
-                     int64_t up_stride, int64_t rows, int64_t width, float limit) {
+TWO_ISAS(rms_norm, (float *out, const float *x, const float *weight, int64_t rows, int64_t width,
+                    float eps),
+         (out, x, weight, rows, width, eps))
+
+/* RMS norm of each of ``rows`` contiguous rows of ``width`` float32 values into ``out``:
+ * ``x * (1 / sqrt(mean(x^2) + eps))``, then times ``weight`` (``width`` values) unless it is
+ * NULL — ATen's ``rms_norm`` in the order it rounds, except that the sum of squares is
+ * accumulated in double, in ``SQUARE_LANES`` partial sums (column i into sum i mod 16, in column
+ * order) added in order, then the columns past the last multiple of 16 (ATen's vectorised
+ * float sum rounds differently; the mean then differs from ATen's by at most a rounding of its
+ * own). Each square is exact in double. */
+void dsv4_rms_norm_f32(float *out, const float *x, const float *weight, int64_t rows,
+                       int64_t width, float eps) {
+    rms_norm(out, x, weight, rows, width, eps);
+}
+
+/* ``e^x`` as the SwiGLU kernels compute it, the same bits in every lane and in the scalar form:
+ * ``n = rint(x log2 e)``, ``r = x - n ln 2`` in two fused steps (ln 2 split in two, Cody and
+ * Waite), ``e^r`` by Cephes' degree-7 polynomial (Horner, fused multiply-adds), times ``2^n`` as
+ * two powers of two (never overflowing early; a subnormal result rounds twice). Measured within
+ * one unit in the last place of glibc's ``expf`` wherever e^x is a normal float (a million
+ * arguments from -110 to 90); +inf above 88.73, 0 below -104, NaN for NaN. */
+#define EXP_HIGH 88.7228394f
+#define EXP_LOW -104.0f
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HIGH 0.693359375f
+#define EXP_LN2_LOW -2.12194440e-4f
+
+static inline float exp_poly(float r) {
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    return fmaf(p, r * r, r) + 1.0f;
+}
+
+static inline float power_of_two(int32_t n) {
+    union {
+        int32_t bits;
+        float value;
+    } v = {(n + 127) << 23};
+    return v.value;
+}
+
+static inline float exp_scalar(float x) {
+    if (x != x) return x;
+    if (x > EXP_HIGH) return INFINITY;
+    const float clamped = x < EXP_LOW ? EXP_LOW : x;
+    const float n = rintf(clamped * EXP_LOG2E);
+    const float r = fmaf(n, -EXP_LN2_LOW, fmaf(n, -EXP_LN2_HIGH, clamped));
+    const int32_t whole = (int32_t)n, half = whole / 2;
+    return (exp_poly(r) * power_of_two(half)) * power_of_two(whole - half);
+}
+
+/* One element of the clamped SwiGLU: ``silu(min(gate, limit)) * clamp(up, -limit, limit)``. */
+static inline float swiglu_one(float g, float u, float limit) {
+    const float clamped = g > limit ? limit : g;
+    const float bounded = u < -limit ? -limit : (u > limit ? limit : u);
+    return (clamped / (1.0f + exp_scalar(-clamped))) * bounded;
+}
+
+static void swiglu_baseline(float *out, const float *gate, int64_t gate_stride, const float *up,
+                            int64_t up_stride, int64_t rows, int64_t width, float limit) {
     for (int64_t r = 0; r < rows; ++r) {
         const float *g = gate + r * gate_stride, *u = up + r * up_stride;
         float *dst = out + r * width;
-        for (int64_t i = 0; i < width; ++i) {
-            const float clamped = g[i] > limit ? limit : g[i];
-            const float bounded = u[i] < -limit ? -limit : (u[i] > limit ? limit : u[i]);
-            dst[i] = (clamped / (1.0f + expf(-clamped))) * bounded;
+        for (int64_t i = 0; i < width; ++i) dst[i] = swiglu_one(g[i], u[i], limit);
+    }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+/* ``exp_scalar`` in 16 lanes, operation for operation. */
+__attribute__((target("avx512f"))) static inline __m512 exp_lanes(__m512 x) {
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    const __mmask16 high = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_HIGH), _CMP_GT_OQ);
+    const __mmask16 low = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_LOW), _CMP_LT_OQ);
+    const __m512 clamped = _mm512_mask_blend_ps(low, x, _mm512_set1_ps(EXP_LOW));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(EXP_LOG2E)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fmadd_ps(
+        n, _mm512_set1_ps(-EXP_LN2_LOW),
+        _mm512_fmadd_ps(n, _mm512_set1_ps(-EXP_LN2_HIGH), clamped));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    const __m512i whole = _mm512_cvtps_epi32(n); /* n is whole: exact */
+    /* whole / 2 rounded toward zero, as C divides */
+    const __m512i half = _mm512_srai_epi32(
+        _mm512_add_epi32(whole, _mm512_srli_epi32(whole, 31)), 1);
+    const __m512i bias = _mm512_set1_epi32(127);
+    const __m512 first = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(half, bias), 23));
+    const __m512 second = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(whole, half), bias), 23));
+    __m512 e = _mm512_mul_ps(_mm512_mul_ps(p, first), second);
+    e = _mm512_mask_blend_ps(high, e, _mm512_set1_ps(INFINITY));
+    return _mm512_mask_blend_ps(nan, e, x);
+}
+
+__attribute__((target("avx512f"))) static void swiglu_avx512(
+    float *out, const float *gate, int64_t gate_stride, const float *up, int64_t up_stride,
+    int64_t rows, int64_t width, float limit) {
+    const __m512 top = _mm512_set1_ps(limit), bottom = _mm512_set1_ps(-limit);
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *g = gate + r * gate_stride, *u = up + r * up_stride;
+        float *dst = out + r * width;
+        for (int64_t i = 0; i < width; i += 16) {
+            const __mmask16 m = lanes(width - i);
+            const __m512 gv = _mm512_maskz_loadu_ps(m, g + i), uv = _mm512_maskz_loadu_ps(m, u + i);
+            const __m512 clamped =
+                _mm512_mask_blend_ps(_mm512_cmp_ps_mask(gv, top, _CMP_GT_OQ), gv, top);
+            __m512 bounded =
+                _mm512_mask_blend_ps(_mm512_cmp_ps_mask(uv, top, _CMP_GT_OQ), uv, top);
+            bounded = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(uv, bottom, _CMP_LT_OQ), bounded,
+                                           bottom);
+            const __m512 negated = _mm512_sub_ps(_mm512_setzero_ps(), clamped);
+            const __m512 silu =
+                _mm512_div_ps(clamped, _mm512_add_ps(one, exp_lanes(negated)));
+            _mm512_mask_storeu_ps(dst + i, m, _mm512_mul_ps(silu, bounded));
         }
     }
+}
+#endif
+
+/* The clamped SwiGLU of ``rows`` x ``width`` float32 values (``dsv4.expert_kernels.swiglu``):
+ * ``silu(min(gate, limit)) * clamp(up, -limit, limit)``, silu as ATen's ``x / (1 + exp(-x))``
+ * with ``exp_scalar``'s exp (a unit in the last place from libm's), NaN kept as ATen's
+ * clamp keeps it; 16 lanes at a time where the CPU has AVX-512, the same bits. ``gate`` and
+ * ``up`` rows start ``gate_stride`` and ``up_stride`` values apart (the two halves of one
+ * product); ``out`` is contiguous. */
+void dsv4_swiglu_f32(float *out, const float *gate, int64_t gate_stride, const float *up,
+                     int64_t up_stride, int64_t rows, int64_t width, float limit) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (has_avx512()) {
+        swiglu_avx512(out, gate, gate_stride, up, up_stride, rows, width, limit);
+        return;
+    }
+#endif
+    swiglu_baseline(out, gate, gate_stride, up, up_stride, rows, width, limit);
 }
 
 /* Rotary embedding (``dsv4.rope.RotaryEmbedding.rotate``) of ``tokens`` x ``heads`` vectors of
@@ -191,18 +386,6 @@ void dsv4_rope_f32(float *out, const float *x, const float *cos, const float *si
 }
 
 #define LANES 16
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-
-static int has_fma(void) {
-    static int known = -1;
-    if (known < 0) known = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    return known;
-}
-#else
-static int has_fma(void) { return 0; }
-#endif
 
 /* One output of ``linear_rows``: ``x . w`` over ``in_features`` columns as 16 partial sums
  * (column i into sum i mod 16, in column order, one fused multiply-add per term), added in
@@ -364,17 +547,6 @@ __attribute__((target("avx2,fma"))) static void panel_columns_avx2(
     float *const *out, const float *const *in, int rows, const float *w, int64_t depth,
     int64_t panel, int64_t panels) {
     panel_columns(out, in, rows, w, depth, panel, panels);
-}
-
-static int has_avx512(void) {
-    static int known = -1;
-    if (known < 0) known = __builtin_cpu_supports("avx512f");
-    return known;
-}
-
-/* The first ``count`` of 16 lanes (all of them from 16 on, none below 1). */
-static inline __mmask16 lanes(int64_t count) {
-    return count >= 16 ? (__mmask16)0xFFFF : (count > 0 ? (__mmask16)((1u << count) - 1u) : 0);
 }
 
 /* ``panel_columns`` for ROWS rows and at most 64 columns ``q0 .. q0 + count - 1`` of one panel
