@@ -364,6 +364,27 @@ void dsv4_swiglu_f32(float *out, const float *gate, int64_t gate_stride, const f
     swiglu_baseline(out, gate, gate_stride, up, up_stride, rows, width, limit);
 }
 
+/* ``values[i] = exp_scalar(values[i])`` for ``count`` values, 16 lanes at a time where the CPU
+ * has AVX-512 (the same bits). */
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx512f"))) static void exp_avx512(float *values, int64_t count) {
+    for (int64_t i = 0; i < count; i += 16) {
+        const __mmask16 m = lanes(count - i);
+        _mm512_mask_storeu_ps(values + i, m, exp_lanes(_mm512_maskz_loadu_ps(m, values + i)));
+    }
+}
+#endif
+
+static void exp_in_place(float *values, int64_t count) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (has_avx512()) {
+        exp_avx512(values, count);
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < count; ++i) values[i] = exp_scalar(values[i]);
+}
+
 /* Rotary embedding (``dsv4.rope.RotaryEmbedding.rotate``) of ``tokens`` x ``heads`` vectors of
  * ``width`` contiguous float32 values: ``x * cos + x[swap] * sin`` (``- x[swap] * sin`` when
  * ``inverse``), each product rounded, then the sum: ATen's three kernels, bit for bit. ``cos``
@@ -757,7 +778,8 @@ static float dot8(const float *q, const float *key, int64_t width) {
  * (``seen``) and the head's sink, into ``out`` (``heads`` x ``width``); ``logits`` is scratch for
  * ``count`` values. ``l_k = dot8(q, key_k) * scaling``;
  * ``p_k = exp(l_k - m) / (sum over seen j of exp(l_j - m) + exp(sink - m))``, ``m`` the largest
- * seen logit or the sink; ``out = sum over seen k of p_k * key_k``, keys in order. */
+ * seen logit or the sink, exp as ``exp_scalar`` (16 at a time where the CPU has AVX-512), the
+ * sum in key order; ``out = sum over seen k of p_k * key_k``, keys in order. */
 static void attend_token(float *out, const float *queries, const float *const *keys,
                          const uint8_t *seen, int64_t count, int64_t heads, int64_t width,
                          const float *sinks, float scaling, float *logits) {
@@ -769,13 +791,12 @@ static void attend_token(float *out, const float *queries, const float *const *k
             logits[k] = dot8(q, keys[k], width) * scaling;
             largest = logits[k] > largest ? logits[k] : largest;
         }
+        for (int64_t k = 0; k < count; ++k) logits[k] = seen[k] ? logits[k] - largest : -INFINITY;
+        exp_in_place(logits, count);
         float total = 0.0f;
-        for (int64_t k = 0; k < count; ++k) {
-            if (!seen[k]) continue;
-            logits[k] = expf(logits[k] - largest);
-            total += logits[k];
-        }
-        total += expf(sinks[h] - largest);
+        for (int64_t k = 0; k < count; ++k)
+            if (seen[k]) total += logits[k];
+        total += exp_scalar(sinks[h] - largest);
         float *dst = out + h * width;
         for (int64_t i = 0; i < width; ++i) dst[i] = 0.0f;
         for (int64_t k = 0; k < count; ++k) {
@@ -912,7 +933,7 @@ void dsv4_index_scores_f32(float *out, const float *queries, const float *keys,
 /* Window pooling (``dsv4.pooling.WindowPooler.update``): for each of ``tokens`` windows of
  * ``span`` rows (``rows``, ``tokens`` x ``span`` int64 indices into the ``kv`` and ``gate``
  * tables, ``count`` x ``width`` float32 each), each channel's softmax over the window of the gate
- * (``-inf`` at slots ``masked`` marks, a ``tokens`` x ``span`` byte mask, or none where NULL),
+ * (exp as ``exp_scalar``; ``-inf`` at slots ``masked`` marks, a ``tokens`` x ``span`` byte mask, or none where NULL),
  * then the kv rows weighted by it and added, slots in order, into ``out`` (``tokens`` x
  * ``width``). A channel whose every slot is masked pools NaN, as the composite's softmax gives.
  * Returns 0; -1 without scratch memory, -2 where an index is outside the tables (``out`` is
@@ -922,9 +943,9 @@ int64_t dsv4_pool_f32(float *out, const float *kv, const float *gate, const int6
                       int64_t width) {
     for (int64_t s = 0; s < tokens * span; ++s)
         if (rows[s] < 0 || rows[s] >= count) return -2;
-    float *largest = malloc((size_t)(width > 0 ? width : 1) * 2 * sizeof(float));
+    float *largest = malloc((size_t)(width > 0 ? width : 1) * (2 + span) * sizeof(float));
     if (largest == NULL) return -1;
-    float *total = largest + width;
+    float *total = largest + width, *exps = total + width;
     for (int64_t t = 0; t < tokens; ++t) {
         const int64_t *window = rows + t * span;
         const uint8_t *skip = masked == NULL ? NULL : masked + t * span;
@@ -942,13 +963,15 @@ int64_t dsv4_pool_f32(float *out, const float *kv, const float *gate, const int6
         for (int64_t s = 0; s < span; ++s) {
             if (skip != NULL && skip[s]) continue;
             const float *g = gate + window[s] * width;
-            for (int64_t c = 0; c < width; ++c) total[c] += expf(g[c] - largest[c]);
+            float *e = exps + s * width;
+            for (int64_t c = 0; c < width; ++c) e[c] = g[c] - largest[c];
+            exp_in_place(e, width);
+            for (int64_t c = 0; c < width; ++c) total[c] += e[c];
         }
         for (int64_t s = 0; s < span; ++s) {
             if (skip != NULL && skip[s]) continue;
-            const float *g = gate + window[s] * width, *v = kv + window[s] * width;
-            for (int64_t c = 0; c < width; ++c)
-                dst[c] += v[c] * (expf(g[c] - largest[c]) / total[c]);
+            const float *e = exps + s * width, *v = kv + window[s] * width;
+            for (int64_t c = 0; c < width; ++c) dst[c] += v[c] * (e[c] / total[c]);
         }
         for (int64_t c = 0; c < width; ++c)
             if (largest[c] == -INFINITY) dst[c] = NAN;
