@@ -763,7 +763,7 @@ int64_t dsv4_routed_experts_f32(float *out, const float *x, const int64_t *exper
 /* ``q . key`` over ``width`` values as 8 partial sums (column i into sum i mod 8, in column
  * order) added in order, then the columns past the last multiple of 8: the order every
  * attention and indexer dot product of this file takes. */
-static float dot8(const float *q, const float *key, int64_t width) {
+static inline float dot8(const float *q, const float *key, int64_t width) {
     const int64_t body = width - width % 8;
     float partial[8] = {0};
     for (int64_t i = 0; i < body; i += 8)
@@ -780,9 +780,10 @@ static float dot8(const float *q, const float *key, int64_t width) {
  * ``p_k = exp(l_k - m) / (sum over seen j of exp(l_j - m) + exp(sink - m))``, ``m`` the largest
  * seen logit or the sink, exp as ``exp_scalar`` (16 at a time where the CPU has AVX-512), the
  * sum in key order; ``out = sum over seen k of p_k * key_k``, keys in order. */
-static void attend_token(float *out, const float *queries, const float *const *keys,
-                         const uint8_t *seen, int64_t count, int64_t heads, int64_t width,
-                         const float *sinks, float scaling, float *logits) {
+static inline void attend_token_body(float *out, const float *queries,
+                                     const float *const *keys, const uint8_t *seen,
+                                     int64_t count, int64_t heads, int64_t width,
+                                     const float *sinks, float scaling, float *logits) {
     for (int64_t h = 0; h < heads; ++h) {
         const float *q = queries + h * width;
         float largest = sinks[h];
@@ -806,6 +807,11 @@ static void attend_token(float *out, const float *queries, const float *const *k
         }
     }
 }
+
+TWO_ISAS(attend_token, (float *out, const float *queries, const float *const *keys,
+                        const uint8_t *seen, int64_t count, int64_t heads, int64_t width,
+                        const float *sinks, float scaling, float *logits),
+         (out, queries, keys, seen, count, heads, width, sinks, scaling, logits))
 
 /* Attention of ``tokens`` queries (``tokens`` x ``heads`` x ``width``) over keys read in place
  * (``dsv4.attention``'s ``_attend_queries``): token t's keys are rows ``key_rows[t, j]`` of the
@@ -907,9 +913,10 @@ int64_t dsv4_route_weights_f32(float *out, const float *scores, const int64_t *e
  * ``width``, ``keys`` ``tokens`` x ``count`` x ``width``, ``weights`` ``tokens`` x ``heads``,
  * ``visible`` ``tokens`` x ``count`` bytes and ``out`` ``tokens`` x ``count``, all contiguous; each
  * dot product ``dot8``. */
-void dsv4_index_scores_f32(float *out, const float *queries, const float *keys,
-                           const float *weights, const uint8_t *visible, int64_t tokens,
-                           int64_t heads, int64_t count, int64_t width, float scale) {
+static inline void index_scores_body(float *out, const float *queries, const float *keys,
+                                     const float *weights, const uint8_t *visible,
+                                     int64_t tokens, int64_t heads, int64_t count, int64_t width,
+                                     float scale) {
     for (int64_t t = 0; t < tokens; ++t)
         for (int64_t s = 0; s < count; ++s) {
             float *dst = out + t * count + s;
@@ -926,6 +933,17 @@ void dsv4_index_scores_f32(float *out, const float *queries, const float *keys,
             }
             *dst = score;
         }
+}
+
+TWO_ISAS(index_scores, (float *out, const float *queries, const float *keys, const float *weights,
+                        const uint8_t *visible, int64_t tokens, int64_t heads, int64_t count,
+                        int64_t width, float scale),
+         (out, queries, keys, weights, visible, tokens, heads, count, width, scale))
+
+void dsv4_index_scores_f32(float *out, const float *queries, const float *keys,
+                           const float *weights, const uint8_t *visible, int64_t tokens,
+                           int64_t heads, int64_t count, int64_t width, float scale) {
+    index_scores(out, queries, keys, weights, visible, tokens, heads, count, width, scale);
 }
 
 /* ---- Compressor pooling ---- */
