@@ -13,6 +13,8 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 static struct PyModuleDef kernels_module = {
     PyModuleDef_HEAD_INIT, "_kernels",
@@ -24,15 +26,25 @@ PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&kernels_module); 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 
+/* Whether the kernels keep to the baseline instruction set whatever the CPU has: where the
+ * environment variable ``DSV4_BASELINE_KERNELS`` is set when they first run (the tests compare
+ * the bits of both). */
+static int baseline_only(void) {
+    static int known = -1;
+    if (known < 0) known = getenv("DSV4_BASELINE_KERNELS") != NULL;
+    return known;
+}
+
 static int has_fma(void) {
     static int known = -1;
-    if (known < 0) known = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (known < 0)
+        known = !baseline_only() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     return known;
 }
 
 static int has_avx512(void) {
     static int known = -1;
-    if (known < 0) known = __builtin_cpu_supports("avx512f");
+    if (known < 0) known = !baseline_only() && __builtin_cpu_supports("avx512f");
     return known;
 }
 
@@ -528,9 +540,6 @@ void dsv4_grouped_linear_f32(float *out, const float *x, const float *weight, in
 }
 
 /* ---- Routed experts: each chosen expert's weights read once per block of its rows ---- */
-
-#include <stdlib.h>
-#include <string.h>
 
 #define PANEL_ROWS 6 /* rows multiplied per read of a matrix in panels */
 
