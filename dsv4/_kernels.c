@@ -579,26 +579,32 @@ __attribute__((target("avx2,fma"))) static void panel_columns_avx2(
     panel_columns(out, in, rows, w, depth, panel, panels);
 }
 
-/* ``panel_columns`` for ROWS rows and at most 64 columns ``q0 .. q0 + count - 1`` of one panel
- * (``wp``, ``panel`` columns wide): the ROWS x 4 sums of 16 columns in registers over the whole
- * depth, each weight vector loaded once for every row, columns past ``count`` masked off. */
+/* ``panel_columns`` for ROWS rows and the ``count`` columns ``q0 ..`` of one panel (``wp``,
+ * ``panel`` columns wide), in VECS vectors of 16 (``count`` at most 16 * VECS): the ROWS x VECS
+ * sums in registers over the whole depth, each weight vector loaded once for every row, the
+ * columns past ``count`` masked off. A narrow panel (fewer than 64 columns) takes fewer vectors
+ * rather than multiplying masked-off lanes. */
 #define STRIP_ZERO(r) __m512 a##r##0 = zero, a##r##1 = zero, a##r##2 = zero, a##r##3 = zero;
-#define STRIP_FMA(r, ROWS)                                                                      \
+#define STRIP_FMA(r, ROWS, VECS)                                                                \
     if (ROWS > r) {                                                                             \
         const __m512 v = _mm512_set1_ps(x##r[i]);                                               \
-        a##r##0 = _mm512_fmadd_ps(v, w0, a##r##0), a##r##1 = _mm512_fmadd_ps(v, w1, a##r##1);   \
-        a##r##2 = _mm512_fmadd_ps(v, w2, a##r##2), a##r##3 = _mm512_fmadd_ps(v, w3, a##r##3);   \
+        a##r##0 = _mm512_fmadd_ps(v, w0, a##r##0);                                              \
+        if (VECS > 1) a##r##1 = _mm512_fmadd_ps(v, w1, a##r##1);                                \
+        if (VECS > 2) a##r##2 = _mm512_fmadd_ps(v, w2, a##r##2);                                \
+        if (VECS > 3) a##r##3 = _mm512_fmadd_ps(v, w3, a##r##3);                                \
     }
-#define STRIP_STORE(r, ROWS)                                                                    \
+#define STRIP_STORE(r, ROWS, VECS)                                                              \
     if (ROWS > r) {                                                                             \
         float *o = out[r] + q0;                                                                 \
-        _mm512_mask_storeu_ps(o, m0, a##r##0), _mm512_mask_storeu_ps(o + 16, m1, a##r##1);      \
-        _mm512_mask_storeu_ps(o + 32, m2, a##r##2), _mm512_mask_storeu_ps(o + 48, m3, a##r##3); \
+        _mm512_mask_storeu_ps(o, m0, a##r##0);                                                  \
+        if (VECS > 1) _mm512_mask_storeu_ps(o + 16, m1, a##r##1);                               \
+        if (VECS > 2) _mm512_mask_storeu_ps(o + 32, m2, a##r##2);                               \
+        if (VECS > 3) _mm512_mask_storeu_ps(o + 48, m3, a##r##3);                               \
     }
 /* (The sums are named variables, not an array: GCC 12 stores an array of them to the stack on
  * every iteration, which made the kernel store-bound at a quarter of its rate.) */
-#define DEFINE_PANEL_STRIP(ROWS)                                                                \
-    __attribute__((target("avx512f"))) static void panel_strip_##ROWS(                          \
+#define DEFINE_PANEL_STRIP(ROWS, VECS)                                                          \
+    __attribute__((target("avx512f"))) static void panel_strip_##ROWS##_##VECS(                 \
         float *const *out, const float *const *in, const float *wp, int64_t depth,              \
         int64_t panel, int64_t q0, int64_t count) {                                             \
         const __mmask16 m0 = lanes(count), m1 = lanes(count - 16), m2 = lanes(count - 32);      \
@@ -611,22 +617,37 @@ __attribute__((target("avx2,fma"))) static void panel_columns_avx2(
         const float *wi = wp + q0;                                                              \
         for (int64_t i = 0; i < depth; ++i, wi += panel) {                                      \
             const __m512 w0 = _mm512_maskz_loadu_ps(m0, wi);                                    \
-            const __m512 w1 = _mm512_maskz_loadu_ps(m1, wi + 16);                               \
-            const __m512 w2 = _mm512_maskz_loadu_ps(m2, wi + 32);                               \
-            const __m512 w3 = _mm512_maskz_loadu_ps(m3, wi + 48);                               \
-            STRIP_FMA(0, ROWS) STRIP_FMA(1, ROWS) STRIP_FMA(2, ROWS)                            \
-            STRIP_FMA(3, ROWS) STRIP_FMA(4, ROWS) STRIP_FMA(5, ROWS)                            \
+            const __m512 w1 = VECS > 1 ? _mm512_maskz_loadu_ps(m1, wi + 16) : zero;             \
+            const __m512 w2 = VECS > 2 ? _mm512_maskz_loadu_ps(m2, wi + 32) : zero;             \
+            const __m512 w3 = VECS > 3 ? _mm512_maskz_loadu_ps(m3, wi + 48) : zero;             \
+            STRIP_FMA(0, ROWS, VECS) STRIP_FMA(1, ROWS, VECS) STRIP_FMA(2, ROWS, VECS)          \
+            STRIP_FMA(3, ROWS, VECS) STRIP_FMA(4, ROWS, VECS) STRIP_FMA(5, ROWS, VECS)          \
         }                                                                                       \
-        STRIP_STORE(0, ROWS) STRIP_STORE(1, ROWS) STRIP_STORE(2, ROWS)                          \
-        STRIP_STORE(3, ROWS) STRIP_STORE(4, ROWS) STRIP_STORE(5, ROWS)                          \
+        STRIP_STORE(0, ROWS, VECS) STRIP_STORE(1, ROWS, VECS) STRIP_STORE(2, ROWS, VECS)        \
+        STRIP_STORE(3, ROWS, VECS) STRIP_STORE(4, ROWS, VECS) STRIP_STORE(5, ROWS, VECS)        \
     }
+#define DEFINE_PANEL_STRIPS(ROWS)                                                               \
+    DEFINE_PANEL_STRIP(ROWS, 1)                                                                 \
+    DEFINE_PANEL_STRIP(ROWS, 2)                                                                 \
+    DEFINE_PANEL_STRIP(ROWS, 3)                                                                 \
+    DEFINE_PANEL_STRIP(ROWS, 4)
 
-DEFINE_PANEL_STRIP(1)
-DEFINE_PANEL_STRIP(2)
-DEFINE_PANEL_STRIP(3)
-DEFINE_PANEL_STRIP(4)
-DEFINE_PANEL_STRIP(5)
-DEFINE_PANEL_STRIP(6)
+DEFINE_PANEL_STRIPS(1)
+DEFINE_PANEL_STRIPS(2)
+DEFINE_PANEL_STRIPS(3)
+DEFINE_PANEL_STRIPS(4)
+DEFINE_PANEL_STRIPS(5)
+DEFINE_PANEL_STRIPS(6)
+
+typedef void (*panel_strip)(float *const *, const float *const *, const float *, int64_t,
+                            int64_t, int64_t, int64_t);
+#define PANEL_STRIPS(ROWS)                                                                      \
+    {panel_strip_##ROWS##_1, panel_strip_##ROWS##_2, panel_strip_##ROWS##_3,                    \
+     panel_strip_##ROWS##_4}
+static const panel_strip PANEL_STRIP[PANEL_ROWS][4] = {
+    PANEL_STRIPS(1), PANEL_STRIPS(2), PANEL_STRIPS(3),
+    PANEL_STRIPS(4), PANEL_STRIPS(5), PANEL_STRIPS(6),
+};
 
 static void panel_rows(float *const *out, const float *const *in, int rows, const float *w,
                        int64_t depth, int64_t panel, int64_t panels) {
@@ -643,14 +664,7 @@ static void panel_rows(float *const *out, const float *const *in, int rows, cons
         for (int r = 0; r < rows; ++r) shifted[r] = out[r] + p * panel;
         for (int64_t q0 = 0; q0 < panel; q0 += 64) {
             const int64_t count = panel - q0 < 64 ? panel - q0 : 64;
-            switch (rows) {
-            case 1: panel_strip_1(shifted, in, wp, depth, panel, q0, count); break;
-            case 2: panel_strip_2(shifted, in, wp, depth, panel, q0, count); break;
-            case 3: panel_strip_3(shifted, in, wp, depth, panel, q0, count); break;
-            case 4: panel_strip_4(shifted, in, wp, depth, panel, q0, count); break;
-            case 5: panel_strip_5(shifted, in, wp, depth, panel, q0, count); break;
-            default: panel_strip_6(shifted, in, wp, depth, panel, q0, count); break;
-            }
+            PANEL_STRIP[rows - 1][(count + 15) / 16 - 1](shifted, in, wp, depth, panel, q0, count);
         }
     }
 }

@@ -26,7 +26,7 @@ import functools
 import torch
 from torch import nn
 
-from dsv4.layers import as_dtype, linear, rms_norm, skinny
+from dsv4.layers import as_dtype, linear, panel_product, rms_norm, skinny
 from dsv4.native import KERNELS
 from dsv4.native_ops import (
     HC_COLLAPSE_INTO,
@@ -36,6 +36,7 @@ from dsv4.native_ops import (
     bound_call,
     native_takes,
 )
+from dsv4.panels import PanelCopy
 from graphs.bound_kernels import BoundCall, register_binder
 
 __all__ = ["HyperConnection", "HyperHead", "mix", "sinkhorn_"]
@@ -120,10 +121,21 @@ class HyperConnection(nn.Module):
         self.fn = nn.Parameter(torch.zeros(width, hc_mult * hidden_size))
         self.base = nn.Parameter(torch.zeros(width))
         self.scale = nn.Parameter(torch.ones(3))
+        self.fn_panels: torch.Tensor | None
+        self._copy = PanelCopy(self, "fn_panels")
         # which of the three scales each mixing logit takes: pre (n), post (n), comb (n * n)
         index = torch.tensor([0] * hc_mult + [1] * hc_mult + [2] * hc_mult * hc_mult)
         self.register_buffer("scale_index", index, persistent=False)
         self.register_buffer("ones", torch.ones(1, 1, hc_mult + 1), persistent=False)
+
+    def pack_panels(self) -> int:
+        """Keep a copy of ``fn`` in panels (``dsv4.panels.PanelCopy``); returns its bytes."""
+        return self._copy.pack(self, self.fn.unsqueeze(0), self.fn)
+
+    def _logits(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat @ fn.T``: on the copy in panels where ``panel_product`` takes it."""
+        out = panel_product(self, self._copy, flat, self.fn)
+        return linear(flat, self.fn) if out is None else out
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``streams [T, n, hidden]`` -> ``post [T, n]``, ``comb^T [T, n, n]``, block input."""
@@ -154,7 +166,7 @@ class HyperConnection(nn.Module):
             return post, bordered[:, :n, :n].transpose(1, 2), as_dtype(collapsed, streams.dtype)
         flat = rms_norm(x.flatten(1), None, self.norm_eps)
         if native_takes(x, self.scale, self.base):  # the weights, then the collapse: two ops
-            logits = linear(flat, self.fn)
+            logits = self._logits(flat)
             pre, post = x.new_empty(tokens, n), x.new_empty(tokens, n)
             bordered = x.new_empty(tokens, n + 1, n + 1)
             HC_WEIGHTS_INTO(
@@ -199,11 +211,20 @@ class HyperHead(nn.Module):
         self.hc_fn = nn.Parameter(torch.zeros(hc_mult, hc_mult * hidden_size))
         self.hc_base = nn.Parameter(torch.zeros(hc_mult))
         self.hc_scale = nn.Parameter(torch.ones(1))
+        self.hc_fn_panels: torch.Tensor | None
+        self._copy = PanelCopy(self, "hc_fn_panels")
+
+    def pack_panels(self) -> int:
+        """Keep a copy of ``hc_fn`` in panels (``dsv4.panels.PanelCopy``); returns its bytes."""
+        return self._copy.pack(self, self.hc_fn.unsqueeze(0), self.hc_fn)
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         x = as_dtype(streams, torch.float32)
         flat = rms_norm(x.flatten(1), None, self.norm_eps)
-        logits = linear(flat, self.hc_fn) * self.hc_scale + self.hc_base
+        product = panel_product(self, self._copy, flat, self.hc_fn)
+        if product is None:
+            product = linear(flat, self.hc_fn)
+        logits = product * self.hc_scale + self.hc_base
         pre = torch.sigmoid(logits) + self.eps
         if native_takes(x, pre):
             collapsed = x.new_empty(x.shape[0], x.shape[-1])

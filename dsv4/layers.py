@@ -33,6 +33,7 @@ __all__ = [
     "RMSNorm",
     "as_dtype",
     "linear",
+    "panel_product",
     "read_rows",
     "rms_norm",
     "rms_normalize",
@@ -89,6 +90,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
+def panel_product(
+    module: nn.Module, copy: PanelCopy, x: torch.Tensor, weight: torch.Tensor
+) -> torch.Tensor | None:
+    """``x @ weight.T`` as one native op on ``module``'s ``copy`` of ``weight`` in panels, for
+    more than ``SKINNY_ROWS`` and at most ``PANEL_ROWS`` contiguous float32 rows on one thread
+    while the copy holds the weight's values; ``None`` elsewhere."""
+    if not (_in_panel_rows(x, weight.shape[-1]) and native_takes(x)):
+        return None
+    panels = copy.get(module, weight)
+    if panels is None:
+        return None
+    out = x.new_empty(*x.shape[:-1], weight.shape[0])
+    LINEAR_PANELS_INTO(out, x, panels)
+    return out
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` without bias whose forward is ``linear`` (same parameters, same checkpoint
     names; quantized loading replaces it as it replaces ``nn.Linear``), or, for ``PANEL_ROWS``
@@ -105,13 +122,8 @@ class Linear(nn.Linear):
         return self._copy.pack(self, self.weight.unsqueeze(0), self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _in_panel_rows(x, self.in_features) and native_takes(x):
-            panels = self._copy.get(self, self.weight)
-            if panels is not None:
-                out = x.new_empty(*x.shape[:-1], self.out_features)
-                LINEAR_PANELS_INTO(out, x, panels)
-                return out
-        return linear(x, self.weight)
+        out = panel_product(self, self._copy, x, self.weight)
+        return linear(x, self.weight) if out is None else out
 
 
 def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -32,8 +32,9 @@ from torch import nn
 from dsv4.config import DeepseekV4Config
 from dsv4.expert_kernels import swiglu
 from dsv4.experts import DENSE_CHUNK_BYTES, ExpertFormulations, Experts
-from dsv4.layers import Linear, as_dtype, linear, read_rows, skinny
+from dsv4.layers import Linear, as_dtype, linear, panel_product, read_rows, skinny
 from dsv4.native_ops import ROUTE_INTO, SWIGLU_MLP_INTO, native_takes
+from dsv4.panels import PanelCopy
 from dsv4.parallel import SINGLE, TensorParallel
 from dsv4.selection import stable_topk
 
@@ -83,6 +84,8 @@ class Router(nn.Module):
         self.scoring_func = config.scoring_func
         self.scaling = config.routed_scaling_factor
         self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size))
+        self.weight_panels: torch.Tensor | None
+        self._copy = PanelCopy(self, "weight_panels")
         if hashed:
             self.register_buffer(
                 "tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.long)
@@ -90,13 +93,19 @@ class Router(nn.Module):
         else:
             self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts))
 
+    def pack_panels(self) -> int:
+        """Keep a copy of the weight in panels (``dsv4.panels.PanelCopy``); returns its bytes."""
+        return self._copy.pack(self, self.weight.unsqueeze(0), self.weight)
+
     def forward(
         self, x: torch.Tensor, input_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Chosen experts ``[T, k]`` and their weights ``[T, k]``. On the CPU (float32) the
         scores, the choice and the weights are one native op (``dsv4::route_into``), whose
         scores may differ from ATen's in the last place (its ``exp``, ``log1p``)."""
-        logits = linear(x, self.weight)
+        logits = panel_product(self, self._copy, x, self.weight)
+        if logits is None:
+            logits = linear(x, self.weight)
         bias = None if self.hashed else self.e_score_correction_bias
         if native_takes(logits, bias) and 0 < self.top_k <= logits.shape[-1]:
             tokens = logits.shape[0]

@@ -28,9 +28,11 @@ for every order that reads 64 columns of a whole matrix laid out columns first).
 
 def panel_width(columns: int) -> int | None:
     """The panel a matrix of ``columns`` columns is packed in: ``PANEL`` where it divides them,
-    else none (a narrower panel would leave most of the kernel's 64 sums idle: 16 columns took
-    12x MKL's time at 16 rows)."""
-    return PANEL if columns > 0 and columns % PANEL == 0 else None
+    the whole matrix where it is narrower (the kernel then keeps only the vectors of 16 it
+    needs), else none."""
+    if columns > 0 and columns % PANEL == 0:
+        return PANEL
+    return columns if 0 < columns < PANEL else None
 
 
 def in_panels(stack: torch.Tensor, panel: int | None = None) -> torch.Tensor:

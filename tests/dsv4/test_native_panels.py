@@ -12,7 +12,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dsv4 import native
+from dsv4.config import DeepseekV4Config
+from dsv4.hyper import HyperConnection, HyperHead
 from dsv4.layers import PANEL_ROWS, SKINNY_ROWS, GroupedLinear, Linear
+from dsv4.moe import Router
 from dsv4.panels import PANEL, pack_model, panel_width
 from graphs import BreakableCapture, TapeBackend
 from graphs.op_count import OpCounter
@@ -39,15 +42,15 @@ def _ops(module: torch.nn.Module, x: torch.Tensor) -> dict[str, int]:
 @given(
     rows=st.integers(SKINNY_ROWS + 1, PANEL_ROWS),
     in_features=st.integers(1, 200),
-    panels=st.integers(1, 3),
+    out_features=st.sampled_from([1, 5, 16, 24, 33, 63, PANEL, 2 * PANEL, 3 * PANEL]),
     spread=st.sampled_from([1e-3, 1.0, 1e3]),
     seed=st.integers(0, 2**16),
 )
 def test_a_product_in_panels_is_within_a_float32_sums_bound_and_rows_are_independent(
-    rows: int, in_features: int, panels: int, spread: float, seed: int
+    rows: int, in_features: int, out_features: int, spread: float, seed: int
 ) -> None:
-    module = _linear(in_features, panels * PANEL, seed)
-    assert module.pack_panels() == 4 * in_features * panels * PANEL
+    module = _linear(in_features, out_features, seed)
+    assert module.pack_panels() == 4 * in_features * out_features
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(seed)) * spread
     with torch.inference_mode():
         got = module(x)
@@ -110,16 +113,13 @@ def test_only_panel_sized_rows_on_one_thread_read_the_copy() -> None:
         torch.set_num_threads(previous)
 
 
-def test_weights_pack_only_into_whole_panels() -> None:
-    assert [panel_width(c) for c in (PANEL, 3 * PANEL, 24, 96, 0)] == [
-        PANEL,
-        PANEL,
-        None,
-        None,
-        None,
-    ]
+def test_weights_pack_into_whole_panels_or_one_narrow_panel() -> None:
+    widths = [panel_width(c) for c in (PANEL, 3 * PANEL, 24, 1, 96, 0)]
+    assert widths == [PANEL, PANEL, 24, 1, None, None]
     narrow = _linear(32, 24, seed=0)
-    assert narrow.pack_panels() == 0 and narrow.weight_panels is None
+    assert narrow.pack_panels() == 4 * 32 * 24 and narrow.weight_panels is not None
+    assert narrow.weight_panels.shape == (1, 1, 32, 24)
+    assert _linear(32, 96, seed=0).pack_panels() == 0  # wider than a panel, not a multiple
     with torch.inference_mode():  # an inference tensor's writes are not counted: never packed
         assert _linear(32, PANEL, seed=0).pack_panels() == 0
 
@@ -138,3 +138,44 @@ def test_a_graph_captured_on_a_copy_in_panels_replays_like_eager() -> None:
             x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)))
             capture.replay()
             assert torch.equal(out, module(x.clone()))
+
+
+def _randomized(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+    return module
+
+
+def test_the_router_and_hyper_connections_read_their_copies_for_panel_sized_steps() -> None:
+    config = DeepseekV4Config.tiny()
+    hidden, n = config.hidden_size, config.hc_mult
+    router = _randomized(Router(config, hashed=False), 0)
+    connection = _randomized(
+        HyperConnection(
+            n, hidden, sinkhorn_iters=config.hc_sinkhorn_iters, eps=1e-6, norm_eps=1e-6
+        ),
+        1,
+    )
+    head = _randomized(HyperHead(n, hidden, eps=1e-6, norm_eps=1e-6), 2)
+    x, streams = torch.randn(SKINNY_ROWS + 4, hidden), torch.randn(SKINNY_ROWS + 4, n, hidden)
+    calls = [(router, (x, torch.zeros(x.shape[0], dtype=torch.long))), (connection, (streams,))]
+    calls.append((head, (streams,)))
+    for module, args in calls:
+        with torch.inference_mode():
+            before = module(*args)
+        assert pack_model(module) > 0
+        counter = OpCounter()
+        with torch.inference_mode(), counter:
+            after = module(*args)
+        assert counter.by_name["linear_panels_into"] == 1, type(module).__name__
+        for a, b in zip(
+            before if isinstance(before, tuple) else (before,),
+            after if isinstance(after, tuple) else (after,),
+            strict=True,
+        ):
+            if a.is_floating_point():
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+            else:
+                assert torch.equal(a, b)  # the router's choice
