@@ -49,7 +49,8 @@ it or faster, at 16 up to 1.3x slower, so MKL runs above four)."""
 PANEL_ROWS = 64
 """Rows up to which, above ``SKINNY_ROWS``, a float32 product on one CPU thread reads its
 module's copy of the weight in panels (``dsv4.panels``; ``LINEAR_PANELS_INTO``) instead of
-running MKL."""
+running MKL (measured, one thread, 512 x 512 in cache, 16 rows: the kernel 81 us, 100 GFLOP/s,
+MKL's ``mm`` 131 us; called from Python, 0.86x MKL's time at 16 rows, level at 64)."""
 
 
 def _in_panel_rows(x: torch.Tensor, row_width: int) -> bool:
