@@ -43,11 +43,11 @@ __all__ = [
     "swiglu_of",
 ]
 
-ROUTED_TOKENS = 64
+ROUTED_TOKENS = 1024
 """Tokens up to which ``routed`` runs (measured, one thread, the small preset's 16 experts of
-512 x 512 and 256 x 512, 4 slots per token: 0.4x bagged's time at 1 token, 0.5-0.7x grouped's
-at 16, level with grouped at 32, 1.1-1.2x its time at 64, where grouped's products of 16 rows
-per expert reach MKL's rate)."""
+512 x 512 and 256 x 512 read in panels, 4 slots per token: 0.29x grouped's time at 1 token,
+0.27-0.48x at 16-128, 0.75-0.78x at 256-512, 0.58x at 1,024, where the measurement
+stopped; a longer prefill chunk takes ``grouped``, MKL's products)."""
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
