@@ -48,19 +48,19 @@ static int has_avx512(void) {
     return known;
 }
 
-/* A kernel whose body ``name##_body`` is compiled twice, for AVX-512 and for the baseline, the
- * first chosen where the CPU has it. The body does each element's operations in its own order
- * (no reduction the compiler could reorder, no contraction: ``-ffp-contract=off``), so the
- * wider vectors compute the same bits. */
 /* The first ``count`` of 16 lanes (all of them from 16 on, none below 1). */
 static inline __mmask16 lanes(int64_t count) {
     return count >= 16 ? (__mmask16)0xFFFF : (count > 0 ? (__mmask16)((1u << count) - 1u) : 0);
 }
 
-#define TWO_ISAS(name, params, args)                                                            \
-    __attribute__((target("avx512f"))) static void name##_avx512 params { name##_body args; }   \
-    static void name##_baseline params { name##_body args; }                                    \
-    static void name params {                                                                   \
+/* ``linkage void name params``: the inline ``body`` compiled twice, for AVX-512 and for the
+ * baseline, the first chosen where the CPU has it. The body does each element's operations in
+ * its own order (no reduction the compiler could reorder, no contraction: ``-ffp-contract=off``),
+ * so the wider vectors compute the same bits. */
+#define TWO_ISAS(linkage, name, body, params, args)                                             \
+    __attribute__((target("avx512f"))) static void name##_avx512 params { body args; }          \
+    static void name##_baseline params { body args; }                                           \
+    linkage void name params {                                                                  \
         if (has_avx512())                                                                       \
             name##_avx512 args;                                                                 \
         else                                                                                    \
@@ -69,8 +69,8 @@ static inline __mmask16 lanes(int64_t count) {
 #else
 static int has_fma(void) { return 0; }
 static int has_avx512(void) { return 0; }
-#define TWO_ISAS(name, params, args) \
-    static void name params { name##_body args; }
+#define TWO_ISAS(linkage, name, body, params, args) \
+    linkage void name params { body args; }
 #endif
 
 /* ``iters`` Sinkhorn rounds, columns first, on the top-left n x n block of one contiguous float32
@@ -157,16 +157,11 @@ static inline void hc_collapse_body(float *out, const float *pre, const float *x
     }
 }
 
-TWO_ISAS(hc_collapse, (float *out, const float *pre, const float *x, int64_t tokens, int64_t n,
-                       int64_t hidden),
-         (out, pre, x, tokens, n, hidden))
-
 /* ``out[t, h] = sum over i of pre[t, i] * x[t, i, h]`` (``tokens`` x n x ``hidden`` float32
  * ``x``, contiguous): the pre-weighted sum of the streams, i ascending. */
-void dsv4_hc_collapse_f32(float *out, const float *pre, const float *x, int64_t tokens,
-                          int64_t n, int64_t hidden) {
-    hc_collapse(out, pre, x, tokens, n, hidden);
-}
+TWO_ISAS(, dsv4_hc_collapse_f32, hc_collapse_body,
+         (float *out, const float *pre, const float *x, int64_t tokens, int64_t n, int64_t hidden),
+         (out, pre, x, tokens, n, hidden))
 
 static inline void hc_mix_body(float *out, const float *streams, const float *post,
                                const float *comb_t, int64_t comb_stride_t, int64_t comb_stride_m,
@@ -187,22 +182,16 @@ static inline void hc_mix_body(float *out, const float *streams, const float *po
     }
 }
 
-TWO_ISAS(hc_mix, (float *out, const float *streams, const float *post, const float *comb_t,
-                  int64_t comb_stride_t, int64_t comb_stride_m, int64_t comb_stride_i,
-                  const float *output, int64_t tokens, int64_t n, int64_t hidden),
-         (out, streams, post, comb_t, comb_stride_t, comb_stride_m, comb_stride_i, output, tokens,
-          n, hidden))
-
 /* New streams after a block (``dsv4.hyper.mix``): ``out[t, m, h] = post[t, m] * output[t, h]
  * + sum over i of comb_t[t, m, i] * streams[t, i, h]``, the sum over i ascending and added last.
  * ``comb_t`` is read through its strides (a transposed view of ``bordered``); everything else
  * is contiguous float32. */
-void dsv4_hc_mix_f32(float *out, const float *streams, const float *post, const float *comb_t,
-                     int64_t comb_stride_t, int64_t comb_stride_m, int64_t comb_stride_i,
-                     const float *output, int64_t tokens, int64_t n, int64_t hidden) {
-    hc_mix(out, streams, post, comb_t, comb_stride_t, comb_stride_m, comb_stride_i, output,
-           tokens, n, hidden);
-}
+TWO_ISAS(, dsv4_hc_mix_f32, hc_mix_body,
+         (float *out, const float *streams, const float *post, const float *comb_t,
+          int64_t comb_stride_t, int64_t comb_stride_m, int64_t comb_stride_i,
+          const float *output, int64_t tokens, int64_t n, int64_t hidden),
+         (out, streams, post, comb_t, comb_stride_t, comb_stride_m, comb_stride_i, output, tokens,
+          n, hidden))
 
 #define SQUARE_LANES 16
 
@@ -229,10 +218,6 @@ static inline void rms_norm_body(float *out, const float *x, const float *weight
     }
 }
 
-TWO_ISAS(rms_norm, (float *out, const float *x, const float *weight, int64_t rows, int64_t width,
-                    float eps),
-         (out, x, weight, rows, width, eps))
-
 /* RMS norm of each of ``rows`` contiguous rows of ``width`` float32 values into ``out``:
  * ``x * (1 / sqrt(mean(x^2) + eps))``, then times ``weight`` (``width`` values) unless it is
  * NULL — ATen's ``rms_norm`` in the order it rounds, except that the sum of squares is
@@ -240,10 +225,10 @@ TWO_ISAS(rms_norm, (float *out, const float *x, const float *weight, int64_t row
  * order) added in order, then the columns past the last multiple of 16 (ATen's vectorised
  * float sum rounds differently; the mean then differs from ATen's by at most a rounding of its
  * own). Each square is exact in double. */
-void dsv4_rms_norm_f32(float *out, const float *x, const float *weight, int64_t rows,
-                       int64_t width, float eps) {
-    rms_norm(out, x, weight, rows, width, eps);
-}
+TWO_ISAS(, dsv4_rms_norm_f32, rms_norm_body,
+         (float *out, const float *x, const float *weight, int64_t rows, int64_t width,
+          float eps),
+         (out, x, weight, rows, width, eps))
 
 /* ``e^x`` as the SwiGLU kernels compute it, the same bits in every lane and in the scalar form:
  * ``n = rint(x log2 e)``, ``r = x - n ln 2`` in two fused steps (ln 2 split in two, Cody and
@@ -831,9 +816,10 @@ static inline void attend_token_body(float *out, const float *queries,
     }
 }
 
-TWO_ISAS(attend_token, (float *out, const float *queries, const float *const *keys,
-                        const uint8_t *seen, int64_t count, int64_t heads, int64_t width,
-                        const float *sinks, float scaling, float *logits),
+TWO_ISAS(static, attend_token, attend_token_body,
+         (float *out, const float *queries, const float *const *keys, const uint8_t *seen,
+          int64_t count, int64_t heads, int64_t width, const float *sinks, float scaling,
+          float *logits),
          (out, queries, keys, seen, count, heads, width, sinks, scaling, logits))
 
 /* Attention of ``tokens`` queries (``tokens`` x ``heads`` x ``width``) over keys read in place
@@ -958,16 +944,11 @@ static inline void index_scores_body(float *out, const float *queries, const flo
         }
 }
 
-TWO_ISAS(index_scores, (float *out, const float *queries, const float *keys, const float *weights,
-                        const uint8_t *visible, int64_t tokens, int64_t heads, int64_t count,
-                        int64_t width, float scale),
+TWO_ISAS(, dsv4_index_scores_f32, index_scores_body,
+         (float *out, const float *queries, const float *keys, const float *weights,
+          const uint8_t *visible, int64_t tokens, int64_t heads, int64_t count, int64_t width,
+          float scale),
          (out, queries, keys, weights, visible, tokens, heads, count, width, scale))
-
-void dsv4_index_scores_f32(float *out, const float *queries, const float *keys,
-                           const float *weights, const uint8_t *visible, int64_t tokens,
-                           int64_t heads, int64_t count, int64_t width, float scale) {
-    index_scores(out, queries, keys, weights, visible, tokens, heads, count, width, scale);
-}
 
 /* ---- Compressor pooling ---- */
 
