@@ -40,7 +40,7 @@ from dsv4.expert_kernels import (
     swiglu_of,
 )
 from dsv4.layers import as_dtype, read_rows
-from dsv4.panels import PanelCopy, in_panels, panel_width
+from dsv4.panels import PanelCopy, in_panels
 
 __all__ = [
     "BAG_SLOTS_PER_EXPERT",
@@ -263,9 +263,12 @@ class Experts(ExpertFormulations):
         hold what they were packed from (``PanelCopy``); a graph reads what its capture chose,
         so pack once the weights are final, before capturing (``build_engine`` does)."""
         parameters = (self.gate_up_proj, self.down_proj)
-        if any(panel_width(p.shape[1]) is None for p in parameters):
+        held = [c.pack(self, p, p) for c, p in zip(self._copies, parameters, strict=True)]
+        if not all(held):  # one copy is of no use to the routed formulation without the other
+            for copy in self._copies:
+                copy.drop(self)
             return 0
-        return sum(c.pack(self, p, p) for c, p in zip(self._copies, parameters, strict=True))
+        return sum(held)
 
     def _routed_panels(
         self, stacks: tuple[torch.Tensor, torch.Tensor]

@@ -198,6 +198,8 @@ def test_packed_experts_give_the_same_bits_until_their_weights_are_written() -> 
 def test_experts_pack_only_where_the_routed_kernel_reads_panels() -> None:
     ragged = _experts(3, 96, 48, seed=0)  # 96 columns: wider than a panel, not a multiple
     assert ragged.pack_panels() == 0 and ragged.gate_up_panels is None
+    half = _experts(3, PANEL, 48, seed=0)  # down packs, gate_up (96 columns) does not: neither
+    assert half.pack_panels() == 0 and half.down_panels is None
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
