@@ -112,11 +112,27 @@ def _run(command_name: str, args_list: list[str]) -> int:
         print(f"dsv4 {command_name}: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
+        if _raised_by_an_interrupt(exc):  # a library turned Ctrl-C into its own error
+            print(f"dsv4 {command_name}: interrupted", file=sys.stderr)
+            return 130
         if isinstance(exc, BrokenPipeError) and stdout_closed():
             return EXIT_CLOSED_PIPE  # `dsv4 … | head`: the reader has what it wanted
         return report_failure(command_name or "", exc)
     exit_code = getattr(module, "exit_code", None)
     return int(exit_code(payload)) if exit_code is not None else 0
+
+
+def _raised_by_an_interrupt(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while handling a ``KeyboardInterrupt``, or from one (its
+    chain of causes and contexts holds one): Ctrl-C, whatever the code it landed in made of it."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, KeyboardInterrupt):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
 
 
 PARALLEL_COMMANDS = frozenset({"run", "matrix", "bench"})

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -40,5 +41,23 @@ def test_ctrl_c_at_any_moment_is_one_line(delay: float) -> None:
     assert process.poll() is None, "the run ended before it could be interrupted"
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=120)
-    assert process.returncode == 130
+    assert process.returncode == 130, err
     assert err == "dsv4 run: interrupted\n"
+
+
+def test_an_interrupt_a_library_turned_into_its_own_error_is_still_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from runners.cli import main as cli
+
+    def interrupted_while_capturing(args: object) -> NoReturn:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as interrupt:
+            raise RuntimeError("capture aborted") from interrupt
+
+    monkeypatch.setattr(cli.run, "execute", interrupted_while_capturing)
+    assert cli.main(["run", "--platform", "cpu", "--prompt", "Hi"]) == 130
+    assert capsys.readouterr().err == "dsv4 run: interrupted\n"
+    monkeypatch.setattr(cli.run, "execute", lambda args: (_ for _ in ()).throw(ValueError("no")))
+    assert cli.main(["run", "--platform", "cpu", "--prompt", "Hi"]) == 1  # a real error stays one
