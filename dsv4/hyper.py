@@ -130,12 +130,7 @@ class HyperConnection(nn.Module):
 
     def pack_panels(self) -> int:
         """Keep a copy of ``fn`` in panels (``dsv4.panels.PanelCopy``); returns its bytes."""
-        return self._copy.pack(self, self.fn.unsqueeze(0), self.fn)
-
-    def _logits(self, flat: torch.Tensor) -> torch.Tensor:
-        """``flat @ fn.T``: on the copy in panels where ``panel_product`` takes it."""
-        out = panel_product(self, self._copy, flat, self.fn)
-        return linear(flat, self.fn) if out is None else out
+        return self._copy.pack_matrix(self, self.fn)
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``streams [T, n, hidden]`` -> ``post [T, n]``, ``comb^T [T, n, n]``, block input."""
@@ -166,7 +161,7 @@ class HyperConnection(nn.Module):
             return post, bordered[:, :n, :n].transpose(1, 2), as_dtype(collapsed, streams.dtype)
         flat = rms_norm(x.flatten(1), None, self.norm_eps)
         if native_takes(x, self.scale, self.base):  # the weights, then the collapse: two ops
-            logits = self._logits(flat)
+            logits = panel_product(self, self._copy, flat, self.fn)
             pre, post = x.new_empty(tokens, n), x.new_empty(tokens, n)
             bordered = x.new_empty(tokens, n + 1, n + 1)
             HC_WEIGHTS_INTO(
@@ -216,15 +211,12 @@ class HyperHead(nn.Module):
 
     def pack_panels(self) -> int:
         """Keep a copy of ``hc_fn`` in panels (``dsv4.panels.PanelCopy``); returns its bytes."""
-        return self._copy.pack(self, self.hc_fn.unsqueeze(0), self.hc_fn)
+        return self._copy.pack_matrix(self, self.hc_fn)
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         x = as_dtype(streams, torch.float32)
         flat = rms_norm(x.flatten(1), None, self.norm_eps)
-        product = panel_product(self, self._copy, flat, self.hc_fn)
-        if product is None:
-            product = linear(flat, self.hc_fn)
-        logits = product * self.hc_scale + self.hc_base
+        logits = panel_product(self, self._copy, flat, self.hc_fn) * self.hc_scale + self.hc_base
         pre = torch.sigmoid(logits) + self.eps
         if native_takes(x, pre):
             collapsed = x.new_empty(x.shape[0], x.shape[-1])

@@ -91,17 +91,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
+def _panels_for(
+    module: nn.Module, copy: PanelCopy, weight: torch.Tensor, x: torch.Tensor, row_width: int
+) -> torch.Tensor | None:
+    """``module``'s ``copy`` of ``weight`` in panels where ``x`` (rows of ``row_width``) is one
+    native product on it: more than ``SKINNY_ROWS`` and at most ``PANEL_ROWS`` contiguous
+    float32 rows on one thread, the copy holding the weight's values; else ``None``."""
+    if not (_in_panel_rows(x, row_width) and native_takes(x)):
+        return None
+    return copy.get(module, weight)
+
+
 def panel_product(
     module: nn.Module, copy: PanelCopy, x: torch.Tensor, weight: torch.Tensor
-) -> torch.Tensor | None:
-    """``x @ weight.T`` as one native op on ``module``'s ``copy`` of ``weight`` in panels, for
-    more than ``SKINNY_ROWS`` and at most ``PANEL_ROWS`` contiguous float32 rows on one thread
-    while the copy holds the weight's values; ``None`` elsewhere."""
-    if not (_in_panel_rows(x, weight.shape[-1]) and native_takes(x)):
-        return None
-    panels = copy.get(module, weight)
+) -> torch.Tensor:
+    """``x @ weight.T``: one native op on ``module``'s ``copy`` of ``weight`` in panels where
+    ``_panels_for`` finds it, else ``linear``."""
+    panels = _panels_for(module, copy, weight, x, weight.shape[-1])
     if panels is None:
-        return None
+        return linear(x, weight)
     out = x.new_empty(*x.shape[:-1], weight.shape[0])
     LINEAR_PANELS_INTO(out, x, panels)
     return out
@@ -120,11 +128,10 @@ class Linear(nn.Linear):
 
     def pack_panels(self) -> int:
         """Keep a copy of the weight in panels (``PanelCopy``); returns the bytes it holds."""
-        return self._copy.pack(self, self.weight.unsqueeze(0), self.weight)
+        return self._copy.pack_matrix(self, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = panel_product(self, self._copy, x, self.weight)
-        return linear(x, self.weight) if out is None else out
+        return panel_product(self, self._copy, x, self.weight)
 
 
 def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -193,12 +200,13 @@ class GroupedLinear(nn.Module):
         """Like ``Linear``: a decode step's few float32 rows on one CPU thread take one native
         op (each group's weights read once for all rows; for up to ``PANEL_ROWS`` rows on the
         copy in panels), anything else ATen's ``einsum``."""
-        if x.dim() > 1 and _in_panel_rows(x, x.shape[-1] * x.shape[-2]) and native_takes(x):
-            panels = self._copy.get(self, self.weight)
-            if panels is not None:
-                out = x.new_empty(*x.shape[:-1], panels.shape[1] * panels.shape[3])
-                LINEAR_PANELS_INTO(out, x, panels)
-                return out
+        panels = None
+        if x.dim() > 1:
+            panels = _panels_for(self, self._copy, self.weight, x, x.shape[-1] * x.shape[-2])
+        if panels is not None:
+            out = x.new_empty(*x.shape[:-1], panels.shape[1] * panels.shape[3])
+            LINEAR_PANELS_INTO(out, x, panels)
+            return out
         w = self.weight.view(self.groups, -1, self.weight.shape[-1])
         if x.dim() > 1 and skinny(x, x.shape[-1] * x.shape[-2]) and native_takes(x, w):
             out = x.new_empty(*x.shape[:-1], w.shape[1])

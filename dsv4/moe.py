@@ -32,7 +32,7 @@ from torch import nn
 from dsv4.config import DeepseekV4Config
 from dsv4.expert_kernels import swiglu
 from dsv4.experts import DENSE_CHUNK_BYTES, ExpertFormulations, Experts
-from dsv4.layers import Linear, as_dtype, linear, panel_product, read_rows, skinny
+from dsv4.layers import Linear, as_dtype, panel_product, read_rows, skinny
 from dsv4.native_ops import ROUTE_INTO, SWIGLU_MLP_INTO, native_takes
 from dsv4.panels import PanelCopy
 from dsv4.parallel import SINGLE, TensorParallel
@@ -95,7 +95,7 @@ class Router(nn.Module):
 
     def pack_panels(self) -> int:
         """Keep a copy of the weight in panels (``dsv4.panels.PanelCopy``); returns its bytes."""
-        return self._copy.pack(self, self.weight.unsqueeze(0), self.weight)
+        return self._copy.pack_matrix(self, self.weight)
 
     def forward(
         self, x: torch.Tensor, input_ids: torch.Tensor
@@ -104,8 +104,6 @@ class Router(nn.Module):
         scores, the choice and the weights are one native op (``dsv4::route_into``), whose
         scores may differ from ATen's in the last place (its ``exp``, ``log1p``)."""
         logits = panel_product(self, self._copy, x, self.weight)
-        if logits is None:
-            logits = linear(x, self.weight)
         bias = None if self.hashed else self.e_score_correction_bias
         if native_takes(logits, bias) and 0 < self.top_k <= logits.shape[-1]:
             tokens = logits.shape[0]

@@ -79,6 +79,10 @@ class PanelCopy:
         self._packed_from = _source(source)
         return copy.numel() * copy.element_size()
 
+    def pack_matrix(self, module: nn.Module, weight: torch.Tensor) -> int:
+        """``pack`` of one ``[out, in]`` matrix (a stack of one)."""
+        return self.pack(module, weight.unsqueeze(0), weight)
+
     def drop(self, module: nn.Module) -> None:
         """Hold no copy."""
         setattr(module, self.name, None)
