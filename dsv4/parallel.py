@@ -141,12 +141,15 @@ class TensorParallel:
 
     @classmethod
     def from_default_group(cls) -> TensorParallel:
-        """This process's rank of the initialised default process group."""
+        """This process's rank of the initialised default process group, named as ``None``:
+        holding the group object itself would keep it, and its worker threads, alive past
+        ``destroy_process_group`` into the interpreter's exit, where a worker releasing a
+        finished collective's tensors needs the GIL and aborts the process."""
         if not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialised: call init_process_group first"
             )
-        return cls(rank=dist.get_rank(), size=dist.get_world_size(), group=dist.group.WORLD)
+        return cls(rank=dist.get_rank(), size=dist.get_world_size())
 
     def share(self, total: int) -> range:
         """This rank's contiguous share of ``total`` items (``size`` must divide ``total``)."""

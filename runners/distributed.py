@@ -187,10 +187,6 @@ def process_group(world: World, backend: str) -> Iterator[None]:
             dist.broadcast(seed, src=0)
             torch.manual_seed(int(seed.item()))
             yield
-            # Every rank done before any tears its group down: a rank leaving while another
-            # still talks to it (rank 0 hosts the rendezvous store) can abort the other's
-            # teardown. Not after a failure, where the others may never arrive.
-            dist.barrier()
         finally:
             dist.destroy_process_group()
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from runners.distributed import RankFailedError, run_local
+from dsv4.parallel import TensorParallel
+from runners.distributed import RankFailedError, local_worlds, process_group, run_local
 
 
 def _sum_of_ranks(args: argparse.Namespace) -> dict[str, Any]:
@@ -91,3 +92,22 @@ def test_a_ctrl_c_while_the_ranks_start_stops_the_ranks_already_started(
     finally:
         signal.signal(signal.SIGINT, previous)
     assert _no_workers_left() and time.monotonic() - start < 30
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_leaving_the_group_joins_its_threads_while_the_model_keeps_its_parallel_layout() -> None:
+    """The model keeps its ``TensorParallel`` past the group; were that to hold the group, the
+    group's worker threads would outlive ``destroy_process_group`` into the interpreter's exit,
+    where one releasing a finished collective's tensors needs the GIL and aborts the process
+    ('terminate called without an active exception', seen under torchrun)."""
+    before = _threads()
+    with process_group(local_worlds(1)[0], "gloo"):
+        parallel = TensorParallel.from_default_group()
+        assert parallel.all_reduce_(torch.ones(3)).tolist() == [1.0, 1.0, 1.0]
+        assert _threads() > before  # the group's own threads
+    assert _threads() == before
+    assert parallel.size == 1
