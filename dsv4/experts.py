@@ -260,8 +260,9 @@ class Experts(ExpertFormulations):
         """Keep a copy of both stacks in panels (``dsv4.panels``) for the routed formulation,
         where it can read them: float32 CPU stacks with a ``panel_width``.
         Returns the bytes the copies hold (0: none kept). They are read while the parameters
-        hold what they were packed from (``PanelCopy``); a graph reads what its capture chose,
-        so pack once the weights are final, before capturing (``build_engine`` does)."""
+        hold what they were packed from (``PanelCopy``), and packed again into the same
+        buffers after an in-place write (``PanelCopies.refresh``), so a graph captured on them
+        reads the new weights."""
         parameters = (self.gate_up_proj, self.down_proj)
         held = [c.pack(self, p, p) for c, p in zip(self._copies, parameters, strict=True)]
         if not all(held):  # one copy is of no use to the routed formulation without the other

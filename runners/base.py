@@ -56,6 +56,7 @@ import torch
 from dsv4.cache import allocate_kv_caches, entry_rate, lookback, prefix_boundary
 from dsv4.metadata import AttentionMetadata, stage_into
 from dsv4.model import DeepseekV4ForCausalLM
+from dsv4.panels import PanelCopies
 from graphs.audit import AuditFinding, AuditMode
 from graphs.backend import GraphBackend, PoolGraphs
 from graphs.forward_context import ForwardContext, forward_context
@@ -129,6 +130,7 @@ class ModelRunner(abc.ABC):
         self.platform = platform
         self.device = platform.device
         self.model = model
+        self._panel_copies = PanelCopies(model)
         self.layout = layout
         self.eager_region = eager_region
         self.decode_mode = decode_mode
@@ -220,6 +222,9 @@ class ModelRunner(abc.ABC):
         ends = torch.empty(len(chunks), dtype=torch.int64, device=self.device)
         stage_into(ends, torch.tensor(_last_token_indices(chunks), dtype=torch.int64))
         with forward_context(ctx), torch.inference_mode(), device_work():
+            # weights written in place since the last step reach the copies graphs read, as a
+            # CUDA graph reads its parameters' memory
+            self._panel_copies.refresh()
             if graph is None:
                 logits = self.model(self.input_ids[:padded], self.positions[:padded])
             else:

@@ -16,7 +16,7 @@ from dsv4.config import DeepseekV4Config
 from dsv4.hyper import HyperConnection, HyperHead
 from dsv4.layers import PANEL_ROWS, SKINNY_ROWS, GroupedLinear, Linear
 from dsv4.moe import Router
-from dsv4.panels import PANEL, pack_model, panel_width
+from dsv4.panels import PANEL, PanelCopies, pack_model, panel_width
 from graphs import BreakableCapture, TapeBackend
 from graphs.op_count import OpCounter
 from graphs.static_memory import StaticMemory
@@ -138,6 +138,45 @@ def test_a_graph_captured_on_a_copy_in_panels_replays_like_eager() -> None:
             x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)))
             capture.replay()
             assert torch.equal(out, module(x.clone()))
+
+
+def test_a_replay_reads_weights_written_in_place_after_capture_as_a_cuda_graph_does() -> None:
+    """A CUDA graph reads its parameters' memory: a weight written in place after capture is
+    what the next replay multiplies. The copy in panels stands for that memory: refreshed, it
+    is packed again into the buffer the graph reads. Moved to new storage (``.data =``), the
+    weight is not followed, as a CUDA graph keeps reading the old address."""
+    module = _linear(40, PANEL, seed=4)
+    copies = PanelCopies(module)
+    assert len(copies) == 1 and module.pack_panels() > 0
+    buffer = module.weight_panels
+    x = torch.randn(SKINNY_ROWS + 2, 40)
+    static = StaticMemory()
+    static.register(x, "x")
+    static.register_module(module, "linear")
+    with torch.inference_mode():
+        with BreakableCapture(TapeBackend(), static=static) as capture:
+            out = module(x)
+        capture.replay()  # (capture records; it does not compute)
+        before = out.clone()
+        assert copies.refresh() == 0  # nothing written: nothing packed
+        with torch.no_grad():
+            module.weight.mul_(-1.0)  # exact: every term, so every sum, negated
+        capture.replay()
+        assert torch.equal(out, before)  # not yet refreshed: the copy holds the old weights
+        assert copies.refresh() == 1 and module.weight_panels is buffer  # the same buffer
+        capture.replay()
+        assert torch.equal(out, -before)  # the weights written since capture
+        assert torch.equal(module(x.clone()), -before)  # eager reads the refreshed copy
+        assert copies.refresh() == 0
+    module.weight.data = torch.randn(PANEL, 40)  # moved, not written
+    with torch.inference_mode():
+        assert copies.refresh() == 0
+        capture.replay()
+        assert torch.equal(out, -before)  # the graph keeps the old memory
+    assert module.pack_panels() > 0 and module.weight_panels is buffer  # packed in place
+    with torch.inference_mode():
+        capture.replay()
+        assert torch.equal(out, module(x.clone()))  # now the moved weight's values
 
 
 def _randomized(module: torch.nn.Module, seed: int) -> torch.nn.Module:
