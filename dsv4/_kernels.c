@@ -421,13 +421,14 @@ static float dot_lanes(const float *x, const float *w, int64_t in_features) {
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
+/* Values ahead of the weight being read that each step of ``dot_rows`` asks for into the
+ * second-level cache (8 KiB: the weight rows follow one another, so this runs into the next
+ * rows; a prefetch never faults past the end). */
+#define DOT_PREFETCH 2048
+
 /* ``dot_lanes`` of ROWS rows of ``x`` (``x_stride`` apart) with one weight row ``w``, into
  * ``out[r * out_stride]``: the weight row read once for all ROWS rows, the 16 sums of each row
  * in two vector registers. */
-/* Values ahead of the weight being read that each step of ``dot_rows`` asks for into the
- * second-level cache (8 KiB: the weight rows follow one another, so this runs into the next
- * rows; never faults past the end). */
-#define DOT_PREFETCH 2048
 #define DEFINE_DOT_ROWS(ROWS)                                                                   \
     __attribute__((target("avx2,fma"))) static void dot_rows_##ROWS(                            \
         float *out, int64_t out_stride, const float *x, int64_t x_stride, const float *w,       \
@@ -710,16 +711,17 @@ static void panel_rows(float *const *out, const float *const *in, int rows, cons
  * ``groups`` x ``depth`` and ``out`` ``rows`` x ``groups`` x ``panels * panel``, contiguous;
  * group g's matrix (``depth`` x ``panels * panel``, the transpose of its ``nn.Linear`` weight)
  * is ``panels`` panels of ``panel`` columns from ``w + g * depth * panels * panel``
- * (``panel_columns``). The rows go a block of ``MAX_BLOCK_ROWS`` at a time, each block reading the
- * matrix once; every output is ``panel_columns``' one: a row's result does not depend on the
- * rows beside it. */
+ * (``panel_columns``). The rows go a block of ``MAX_BLOCK_ROWS`` at a time, each block
+ * reading the matrix once; every output is ``panel_columns``' one: a row's result does not
+ * depend on the rows beside it. */
 void dsv4_linear_panels_f32(float *out, const float *x, const float *w, int64_t rows,
                             int64_t groups, int64_t depth, int64_t panel, int64_t panels) {
     const int64_t width = panel * panels;
     for (int64_t g = 0; g < groups; ++g) {
         const float *matrix = w + g * depth * width;
         for (int64_t first = 0; first < rows; first += MAX_BLOCK_ROWS) {
-            const int block = rows - first < MAX_BLOCK_ROWS ? (int)(rows - first) : MAX_BLOCK_ROWS;
+            const int block =
+                rows - first < MAX_BLOCK_ROWS ? (int)(rows - first) : MAX_BLOCK_ROWS;
             float *out_rows[MAX_BLOCK_ROWS];
             const float *in_rows[MAX_BLOCK_ROWS];
             for (int r = 0; r < block; ++r) {
@@ -778,7 +780,8 @@ int64_t dsv4_routed_experts_f32(float *out, const float *x, const int64_t *exper
     memset(out, 0, (size_t)(tokens * hidden) * sizeof(float));
     float *products = scratch, *activated = scratch + MAX_BLOCK_ROWS * 2 * inter;
     float *results = activated + MAX_BLOCK_ROWS * inter;
-    float *product_rows[MAX_BLOCK_ROWS], *activated_rows[MAX_BLOCK_ROWS], *result_rows[MAX_BLOCK_ROWS];
+    float *product_rows[MAX_BLOCK_ROWS], *activated_rows[MAX_BLOCK_ROWS];
+    float *result_rows[MAX_BLOCK_ROWS];
     for (int r = 0; r < MAX_BLOCK_ROWS; ++r) {
         product_rows[r] = products + r * 2 * inter;
         activated_rows[r] = activated + r * inter;
