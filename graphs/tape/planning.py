@@ -7,8 +7,8 @@ While recording, each op gets a plan (``graphs.tape.steps``). The candidates, fa
 - ``Fill`` / ``Const``: factories (outputs independent of any tensor's data) are re-filled in
   place with their captured value, so a factory output mutated later starts fresh every replay.
 - ``CallOut``: a public ``torch.*(…, out=)`` function of the same name, else the overload
-  ``torch._library._out_variant.to_out_variant`` finds (a naive ``.out`` lookup is wrong for
-  ``pow``, ``le``, ``where``, ``softmax.int``, ``index``).
+  ``graphs.tape.out_variants.out_variant`` finds by schema (a naive ``.out`` lookup is wrong
+  for ``pow``, ``le``, ``where``, ``softmax.int``, ``index``).
 - ``Call``: in-place and user ``out=`` ops re-run as recorded (the public ``Tensor`` method when
   it was checked to match, the operator otherwise); an operator with a binder
   (``graphs.bound_kernels``) replays as ``Bound``, its own kernel on fixed addresses.
@@ -36,12 +36,12 @@ from typing import Any
 
 import attrs
 import torch
-from torch._library._out_variant import get_out_arg_names, to_out_variant
 
 from graphs._ops import op_name
 from graphs._tensor_refs import tensors_of
 from graphs.bound_kernels import binder_of
 from graphs.tape.checking import call_matches, reproduces
+from graphs.tape.out_variants import out_names, out_variant
 from graphs.tape.steps import (
     Bound,
     Call,
@@ -178,18 +178,15 @@ def _public_function(name: str) -> Callable[..., Any] | None:
 def _out_candidates(func: torch._ops.OpOverload) -> tuple[CallOut, ...]:
     """The ``out=`` forms of ``func``: the public function of its name, then its out overload.
 
-    Cached per operator: it depends on nothing else, and ``to_out_variant`` scans overloads."""
+    Cached per operator: it depends on nothing else, and ``out_variant`` scans overloads."""
     name = op_name(func)
     candidates: list[CallOut] = []
     public = _public_function(name)
     if public is not None:
         candidates.append(CallOut(public, out_names=None))
-    try:
-        out_op = to_out_variant(func)
-    except RuntimeError:  # not a functional schema: no out= form to look for
-        out_op = None
+    out_op = out_variant(func)
     if out_op is not None:
-        candidates.append(CallOut(_op_callable(out_op), out_names=tuple(get_out_arg_names(out_op))))
+        candidates.append(CallOut(_op_callable(out_op), out_names=out_names(out_op)))
     return tuple(candidates)
 
 
