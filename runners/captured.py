@@ -8,7 +8,9 @@ Invariants:
 - The static memory of a runner is its input buffers, its KV caches, its persistent metadata (V2
   only) and every parameter and buffer of the model, each registered under a readable name.
 - The step runs once eagerly first, through ``backend.warm_up`` (on CUDA on the capture stream,
-  so lazily created library workspaces land outside the graph pool).
+  so lazily created library workspaces land outside the graph pool; on the CPU tape as well, so
+  that whatever the warm-up leaves behind is audited as it is on the GPU), as a step of its own
+  with a context of its own: a value the warm-up shares within its step is not the capture's.
 - ``CapturedGraph.logits`` is the tensor the capture's last segment writes; it holds junk right
   after capture (recording is not execution), is valid right after ``replay()``, and may be
   overwritten by any later replay on the same pool.
@@ -80,17 +82,23 @@ def capture_step(
     metadata ``key.width`` blocks wide; ``input_ids`` holds ``key.num_tokens`` tokens.
     """
     input_ids.zero_()
+    # the warm-up is a step of its own, with a context of its own: values it shares within its
+    # step (``ForwardContext.once``) live outside the capture and must not reach it
+    with forward_context(dummy_context()), torch.inference_mode():
+        backend.warm_up(lambda: model(input_ids, positions))
     tracker = AllocationTracker()
     with tracker:
         ctx = dummy_context()
-    with forward_context(ctx), torch.inference_mode():
-        backend.warm_up(lambda: model(input_ids, positions))
-        with BreakableCapture(
+    with (
+        forward_context(ctx),
+        torch.inference_mode(),
+        BreakableCapture(
             backend,
             full=key.mode is CUDAGraphMode.FULL,
             static=static,
             audit=audit,
             allocations=tracker,
-        ) as capture:
-            logits = model(input_ids, positions)
+        ) as capture,
+    ):
+        logits = model(input_ids, positions)
     return CapturedGraph(key=key, capture=capture, logits=logits)

@@ -146,7 +146,11 @@ class TapeBackend:
         return value
 
     def warm_up(self, fn: Callable[[], Any]) -> None:
-        """Nothing to warm up: the tape creates nothing lazily on a first call."""
+        """Run ``fn`` once eagerly, as the CUDA backend does before a capture: the tape itself
+        creates nothing lazily, but whatever the step leaves behind for the capture after it
+        (a value cached on the first call, a buffer allocated then) must be there on the CPU
+        too, for the capture's audit to catch a read of it."""
+        fn()
 
     def _stop(self) -> Recorder:
         recorder = self._recorder

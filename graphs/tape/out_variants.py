@@ -2,11 +2,11 @@
 
 An operator ``f(a, b) -> Tensor`` usually has an overload ``f.out(a, b, *, Tensor(a!) out)``
 tagged ``out``, but not always under that name (``pow``, ``le``, ``where``, ``softmax.int`` and
-``index`` name theirs otherwise), so the overload is found by its schema: tagged ``out``, the
-same non-written arguments (name, type and default, in order), and one written argument per
-result of the functional form. Only public schema attributes are read, so this works on every
-torch the package supports (``torch._library._out_variant``, which does the same, is private
-and absent from torch 2.11).
+``index`` name theirs otherwise), so the overload is found by its schema: written arguments
+that are all keyword-only (``out=``), one per result of the functional form, and the same
+other arguments (name, type and default, in order). Only public schema attributes are read,
+so this works on every torch the package supports (``torch._library._out_variant``, which
+does the same, is private and absent from torch 2.11).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ def out_variant(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
     packet = op.overloadpacket
     for name in packet.overloads():
         candidate = getattr(packet, name)
-        if torch.Tag.out not in candidate.tags:
-            continue
         written = [a for a in candidate._schema.arguments if _written(a)]
+        if not written or not all(a.kwarg_only for a in written):
+            continue  # not an out= form (torch 2.11 has no ``out`` tag to say so)
         if len(written) == len(schema.returns) and _read(candidate._schema) == reads:
             return candidate
     return None

@@ -194,9 +194,9 @@ def floor_rows(
             {
                 "threads": latency.threads,
                 "batch_size": latency.batch_size,
-                "memory_floor_us": round(memory_us, 1),
-                "compute_floor_us": round(compute_us, 1),
-                "dispatch_floor_us": {n: round(us, 1) for n, us in dispatch_us.items()},
+                "memory_floor_us": round(memory_us, 3),
+                "compute_floor_us": round(compute_us, 3),
+                "dispatch_floor_us": {n: round(us, 3) for n, us in dispatch_us.items()},
                 "x_floor": {
                     n: round(us / max(memory_us, compute_us, dispatch_us[n]), 2)
                     for n, us in latency.median_us.items()

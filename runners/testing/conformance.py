@@ -45,6 +45,8 @@ from graphs import BreakableCapture, NarrowRegion, eager_break_during_capture, s
 from platforms.base import Platform
 from platforms.simulate import simulate
 from runners import CUDAGraphMode, Resolution, ResolutionError, UnsafeRegionError, resolve
+from runners.distributed import check_local_devices
+from runners.errors import DeviceCountError
 from runners.measure.matrix import MODE_NAMES, REGION_NAMES
 from runners.resolution import RUNNERS
 from runners.testing.checks import (
@@ -101,6 +103,23 @@ class PlatformConformanceTests(abc.ABC):
             stacklevel=2,
         )
         return simulated
+
+    def parallel_platform(self, size: int) -> Platform:
+        """Where the parallel pass of ``size`` local ranks runs: ``execution_platform`` where it
+        has a device for every rank (or its ranks share one), else the policy simulated on the
+        CPU tape, with a ``SimulatedRunWarning`` naming the devices missing (a rank without a
+        device of its own fails at its first allocation: 'invalid device ordinal')."""
+        platform = self.execution_platform()
+        try:
+            check_local_devices(platform, size)
+        except DeviceCountError as short:
+            simulated = simulate(platform)
+            warnings.warn(
+                SimulatedRunWarning(f"{platform_label(simulated)}: {short}. {SIMULATION_SCOPE}"),
+                stacklevel=2,
+            )
+            return simulated
+        return platform
 
     def resolve(self, **overrides: Any) -> Resolution:
         """``resolve`` of DeepSeek-V4 on a fresh platform (``tensor_parallel_size`` among the
@@ -382,7 +401,7 @@ class PlatformConformanceTests(abc.ABC):
         """Every configuration allowed at ``tensor_parallel_size`` ranks, run on that many local
         ranks (one parallel run for them all), generates the eager tokens of one rank."""
         size = self.tensor_parallel_size
-        platform = self.execution_platform()
+        platform = self.parallel_platform(size)
         parallel_pass(
             platform,
             self.allowed_configurations(tensor_parallel_size=size, platform=platform),

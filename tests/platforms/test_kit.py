@@ -95,6 +95,30 @@ class CudaHere(PlatformConformanceTests):
         return CudaPlatform()
 
 
+class OneDevice(CpuPlatform):
+    """A platform with one device of its own here, as on a machine with one GPU."""
+
+    def device_count(self) -> int | None:
+        return 1
+
+
+class OneDeviceHere(PlatformConformanceTests):
+    def make_platform(self) -> Platform:
+        return OneDevice()
+
+
+def test_a_parallel_pass_with_fewer_devices_than_ranks_is_simulated_and_says_why() -> None:
+    """Seen on a one-GPU machine: the second rank failed at its first allocation ('invalid
+    device ordinal'). Short of a device per rank, the kit simulates the parallel pass."""
+    assert not OneDeviceHere().parallel_platform(1).simulated
+    with pytest.warns(SimulatedRunWarning) as record:
+        platform = OneDeviceHere().parallel_platform(2)
+    assert platform.simulated
+    message = str(record[0].message)
+    assert "needs 2 cpu devices" in message and "has 1 on this machine" in message
+    assert SIMULATION_SCOPE in message
+
+
 @pytest.mark.parametrize(
     ("profile", "examples", "derandomize", "shrinks"),
     [("dev", 5, False, False), ("ci", 8, True, False), ("thorough", 200, False, True)],

@@ -121,10 +121,11 @@ def test_dispatch_pads_captures_on_demand_and_runs_eagerly_above_the_largest_siz
     # A lazy capture takes every missing larger size of its mode first (largest first, as
     # ahead-of-time capture does), so smaller graphs reuse the pool memory of larger ones.
     assert captured_sizes(runner) == ((PIECEWISE, 4), (FULL, 4), (FULL, 2))
-    # The model ran forward once per capture (the tape needs no warm-up: PIECEWISE 4, FULL 4,
-    # FULL 2) and once for the eager 6-token step; replays do not call it. Every forward got the
-    # runner's caches and region through the context.
-    assert [c.attn_metadata.num_tokens for c in seen] == [4, 6, 4, 2]
+    # The model ran forward twice per capture, a warm-up then the capture, as on CUDA (PIECEWISE
+    # 4, FULL 4, FULL 2), each with a context of its own, and once for the eager 6-token step;
+    # replays do not call it. Every forward got the runner's caches and region.
+    assert [c.attn_metadata.num_tokens for c in seen] == [4, 4, 6, 4, 4, 2, 2]
+    assert len({id(c) for c in seen}) == len(seen)
     assert all(c.kv_caches is runner.kv_caches for c in seen)
     assert all(c.eager_region == runner.eager_region == NarrowRegion() for c in seen)
     # The last step wrote two tokens into the persistent metadata; nothing else is live.
