@@ -63,6 +63,17 @@ from runners.testing.passes import deterministic_pass, random_search
 __all__ = ["PlatformConformanceTests"]
 
 
+def _simulated_instead(platform: Platform, why: str) -> Platform:
+    """``platform``'s policy simulated on the CPU tape, with a ``SimulatedRunWarning`` (pointing
+    at the kit's caller) saying ``why`` and what a simulated run proves."""
+    simulated = simulate(platform)
+    warnings.warn(
+        SimulatedRunWarning(f"{platform_label(simulated)}: {why}. {SIMULATION_SCOPE}"),
+        stacklevel=3,
+    )
+    return simulated
+
+
 class PlatformConformanceTests(abc.ABC):
     """Subclass with a ``Test...`` name, implement ``make_platform`` and set the flags."""
 
@@ -97,12 +108,7 @@ class PlatformConformanceTests(abc.ABC):
         if self.run_on_device and platform.is_available():
             return platform
         why = platform.unavailable_reason() if self.run_on_device else "run_on_device is False"
-        simulated = simulate(platform)
-        warnings.warn(
-            SimulatedRunWarning(f"{platform_label(simulated)}: {why}. {SIMULATION_SCOPE}"),
-            stacklevel=2,
-        )
-        return simulated
+        return _simulated_instead(platform, why)
 
     def parallel_platform(self, size: int) -> Platform:
         """Where the parallel pass of ``size`` local ranks runs: ``execution_platform`` where it
@@ -113,12 +119,7 @@ class PlatformConformanceTests(abc.ABC):
         try:
             check_local_devices(platform, size)
         except DeviceCountError as short:
-            simulated = simulate(platform)
-            warnings.warn(
-                SimulatedRunWarning(f"{platform_label(simulated)}: {short}. {SIMULATION_SCOPE}"),
-                stacklevel=2,
-            )
-            return simulated
+            return _simulated_instead(platform, str(short))
         return platform
 
     def resolve(self, **overrides: Any) -> Resolution:
