@@ -7,7 +7,8 @@ capturing, generating or printing — and turn it into one line on stderr and ex
 During the start-up imports the interrupt exits at once from a signal handler: some imported
 libraries run ``except:`` clauses that would swallow a ``KeyboardInterrupt`` raised there.
 
-It also asks torch, before torch is imported, to back its CPU allocations of 2 MiB and more with
+Before torch is imported it applies ``DSV4_KERNEL_ISA`` (``dsv4_isa``: one line and exit code
+2 for an instruction set that is unknown or that the CPU lacks), and it asks torch to back its CPU allocations of 2 MiB and more with
 transparent huge pages (``prefer_huge_pages``).
 """
 
@@ -18,9 +19,12 @@ import signal
 import sys
 from types import FrameType
 
+import dsv4_isa
+
 __all__ = ["HUGE_PAGES", "main", "prefer_huge_pages"]
 
 EXIT_INTERRUPTED = 130
+EXIT_USAGE = 2
 
 HUGE_PAGES = "THP_MEM_ALLOC_ENABLE"
 """torch's switch (read once, at its first CPU allocation) for aligning CPU allocations of 2 MiB
@@ -52,6 +56,7 @@ def main() -> int:
         signal.signal(signal.SIGINT, exit_at_once)
     try:
         prefer_huge_pages()
+        dsv4_isa.apply_requested()
         from runners.cli.main import main as run_cli
 
         if interruptible:
@@ -60,6 +65,9 @@ def main() -> int:
     except KeyboardInterrupt:
         sys.stderr.write(line)
         return EXIT_INTERRUPTED
+    except dsv4_isa.KernelIsaError as error:
+        sys.stderr.write(f"{'dsv4 ' + sys.argv[1] if named else 'dsv4'}: error: {error}\n")
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -26,27 +26,38 @@ PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&kernels_module); 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 
-/* Whether the kernels keep to the baseline instruction set whatever the CPU has: where the
- * environment variable ``DSV4_BASELINE_KERNELS`` is set when they first run (the tests compare
- * the bits of both). */
-static int baseline_only(void) {
-    static int known = -1;
-    if (known < 0) known = getenv("DSV4_BASELINE_KERNELS") != NULL;
-    return known;
+/* The instruction sets the kernels choose between, widest last: ``dsv4_kernel_isa`` says which
+ * they use, ``dsv4_cpu_isa`` which the CPU has; ``dsv4_select_isa`` narrows the choice (the
+ * tests and ``DSV4_KERNEL_ISA`` run every one on a CPU that has the widest). Every kernel
+ * computes the same bits whichever it uses. */
+enum { ISA_BASELINE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+
+static int64_t cpu_isa(void) {
+    if (__builtin_cpu_supports("avx512f")) return ISA_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ISA_AVX2;
+    return ISA_BASELINE;
 }
 
-static int has_fma(void) {
-    static int known = -1;
-    if (known < 0)
-        known = !baseline_only() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    return known;
+static int64_t chosen_isa = -1;
+
+int64_t dsv4_cpu_isa(void) { return cpu_isa(); }
+
+int64_t dsv4_kernel_isa(void) {
+    if (chosen_isa < 0) chosen_isa = cpu_isa();
+    return chosen_isa;
 }
 
-static int has_avx512(void) {
-    static int known = -1;
-    if (known < 0) known = !baseline_only() && __builtin_cpu_supports("avx512f");
-    return known;
+/* Use instruction set ``isa`` (``ISA_*``) from now on; returns it, or -1 (and changes nothing)
+ * where the CPU lacks it. */
+int64_t dsv4_select_isa(int64_t isa) {
+    if (isa < ISA_BASELINE || isa > cpu_isa()) return -1;
+    chosen_isa = isa;
+    return isa;
 }
+
+static int has_fma(void) { return dsv4_kernel_isa() >= ISA_AVX2; }
+
+static int has_avx512(void) { return dsv4_kernel_isa() >= ISA_AVX512; }
 
 /* The first ``count`` of 16 lanes (all of them from 16 on, none below 1). */
 static inline __mmask16 lanes(int64_t count) {
@@ -67,6 +78,9 @@ static inline __mmask16 lanes(int64_t count) {
             name##_baseline args;                                                               \
     }
 #else
+int64_t dsv4_cpu_isa(void) { return 0; }
+int64_t dsv4_kernel_isa(void) { return 0; }
+int64_t dsv4_select_isa(int64_t isa) { return isa == 0 ? 0 : -1; }
 static int has_fma(void) { return 0; }
 static int has_avx512(void) { return 0; }
 #define TWO_ISAS(linkage, name, body, params, args) \
@@ -105,7 +119,139 @@ void dsv4_sinkhorn_f32(float *bordered, int64_t tokens, int64_t n, int64_t iters
     for (int64_t t = 0; t < tokens; ++t) sinkhorn_one(bordered + t * (n + 1) * (n + 1), n, iters);
 }
 
-static float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
+/* ``e^x`` as every kernel here computes it (none calls libm's ``expf``, whose result depends on
+ * the variant the C library picks for the CPU), the same bits in every lane and in the scalar form:
+ * ``n = rint(x log2 e)``, ``r = x - n ln 2`` in two fused steps (ln 2 split in two, Cody and
+ * Waite), ``e^r`` by Cephes' degree-7 polynomial (Horner, fused multiply-adds), times ``2^n`` as
+ * two powers of two (never overflowing early; a subnormal result rounds twice). Measured within
+ * one unit in the last place of glibc's ``expf`` wherever e^x is a normal float (a million
+ * arguments from -110 to 90); +inf above 88.73, 0 below -104, NaN for NaN. */
+#define EXP_HIGH 88.7228394f
+#define EXP_LOW -104.0f
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HIGH 0.693359375f
+#define EXP_LN2_LOW -2.12194440e-4f
+
+static inline float exp_poly(float r) {
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    return fmaf(p, r * r, r) + 1.0f;
+}
+
+static inline float power_of_two(int32_t n) {
+    union {
+        int32_t bits;
+        float value;
+    } v = {(n + 127) << 23};
+    return v.value;
+}
+
+static inline float exp_scalar(float x) {
+    if (x != x) return x;
+    if (x > EXP_HIGH) return INFINITY;
+    const float clamped = x < EXP_LOW ? EXP_LOW : x;
+    const float n = rintf(clamped * EXP_LOG2E);
+    const float r = fmaf(n, -EXP_LN2_LOW, fmaf(n, -EXP_LN2_HIGH, clamped));
+    const int32_t whole = (int32_t)n, half = whole / 2;
+    return (exp_poly(r) * power_of_two(half)) * power_of_two(whole - half);
+}
+
+/* ``1 / (1 + e^-v)``, as ATen's sigmoid computes it, with ``exp_scalar``. */
+static inline float sigmoid(float v) { return 1.0f / (1.0f + exp_scalar(-v)); }
+
+/* ``log(1 + y)`` for a float ``y >= 0`` (or +inf, NaN), computed in double from IEEE-exact
+ * operations only (no libm call, no fused step), so every CPU gets the same bits: ``1 + y`` is
+ * exact in double for ``y >= 2^-20`` (below, three terms of the series), ``log`` of it is
+ * ``e ln 2 + log m`` with ``m`` in [sqrt(1/2), sqrt(2)) and ``log m = 2 atanh(s)``,
+ * ``s = (m - 1) / (m + 1)``, summed to s^23 (truncation below 1e-19 relative), rounded once to
+ * float: within a unit in the last place of libm's ``log1pf``. */
+static float log1p_scalar(float y) {
+    if (!(y < INFINITY)) return y;
+    const double v = y;
+    if (v < 0x1p-20) return (float)(v - v * v / 2.0 + v * v * v / 3.0);
+    int e;
+    double m = frexp(1.0 + v, &e);
+    if (m < 0.70710678118654752440) {
+        m *= 2.0;
+        e -= 1;
+    }
+    const double s = (m - 1.0) / (m + 1.0), s2 = s * s;
+    double sum = 0.0;
+    for (int k = 23; k >= 1; k -= 2) sum = sum * s2 + 1.0 / k;
+    return (float)((double)e * 0.69314718055994530942 + 2.0 * s * sum);
+}
+
+/* ``sqrt(softplus(l))``, softplus as ATen's (``l`` above 20, else ``log1p(e^l)``). */
+static inline float sqrt_softplus(float l) {
+    return sqrtf(l > 20.0f ? l : log1p_scalar(exp_scalar(l)));
+}
+
+/* pi / 2 in four parts of 24 bits or fewer (the last the rest, rounded): ``k * part`` is exact
+ * in double for |k| < 2^29. */
+#define HALF_PI_1 0x1.921fb6p+0
+#define HALF_PI_2 -0x1.777a5cp-25
+#define HALF_PI_3 -0x1.ee59dap-50
+#define HALF_PI_4 0x1.98a2e03707345p-77
+
+/* Taylor coefficients of ``sin r = r + r^3 (S0 + r^2 (S1 + ...))`` and ``cos r = 1 + r^2 (C0 +
+ * r^2 (C1 + ...))``: (-1)^(i+1) / (2i+3)! and (-1)^(i+1) / (2i+2)!, each rounded once. */
+#define SIN_DEGREE 9
+#define COS_DEGREE 10
+static const double SIN_TERMS[SIN_DEGREE] = {
+    -1.0 / 6.0,           1.0 / 120.0,           -1.0 / 5040.0,
+    1.0 / 362880.0,       -1.0 / 39916800.0,     1.0 / 6227020800.0,
+    -1.0 / 1307674368000.0, 1.0 / 355687428096000.0, -1.0 / 121645100408832000.0,
+};
+static const double COS_TERMS[COS_DEGREE] = {
+    -1.0 / 2.0,          1.0 / 24.0,           -1.0 / 720.0,
+    1.0 / 40320.0,       -1.0 / 3628800.0,     1.0 / 479001600.0,
+    -1.0 / 87178291200.0, 1.0 / 20922789888000.0, -1.0 / 6402373705728000.0,
+    1.0 / 2432902008176640000.0,
+};
+
+/* ``cos`` and ``sin`` of a float angle ``a``, in double from IEEE-exact operations only: ``a``
+ * less the nearest multiple ``k`` of pi/2 (four parts, Cody and Waite; exact products for
+ * |a| < 8e8, beyond which the reduction loses bits but stays the same on every CPU), then
+ * Taylor polynomials to degree 19 and 20 on [-pi/4, pi/4] (truncation below 1e-19), the
+ * quadrant from ``k``, each rounded once to float: within a unit in the last place of libm's ``cosf`` and
+ * ``sinf``. NaN for an infinite or NaN angle. */
+static void cos_sin_scalar(float a, float *cos_out, float *sin_out) {
+    if (!(a - a == 0.0f)) {
+        *cos_out = *sin_out = NAN;
+        return;
+    }
+    const double x = a;
+    const double k = rint(x * 0.63661977236758134308);
+    const double r = (((x - k * HALF_PI_1) - k * HALF_PI_2) - k * HALF_PI_3) - k * HALF_PI_4;
+    const double r2 = r * r;
+    double sin_p = SIN_TERMS[SIN_DEGREE - 1], cos_p = COS_TERMS[COS_DEGREE - 1];
+    for (int i = SIN_DEGREE - 2; i >= 0; --i) sin_p = sin_p * r2 + SIN_TERMS[i];
+    for (int i = COS_DEGREE - 2; i >= 0; --i) cos_p = cos_p * r2 + COS_TERMS[i];
+    const double sin_r = r + r * r2 * sin_p, cos_r = 1.0 + r2 * cos_p;
+    const int64_t quadrant = (int64_t)k & 3;
+    const double c = quadrant == 0 ? cos_r : quadrant == 1 ? -sin_r : quadrant == 2 ? -cos_r : sin_r;
+    const double s = quadrant == 0 ? sin_r : quadrant == 1 ? cos_r : quadrant == 2 ? -sin_r : -cos_r;
+    *cos_out = (float)c;
+    *sin_out = (float)s;
+}
+
+/* ``out[i] = sigmoid(x[i])`` for ``count`` contiguous float32 values: the same bits on every CPU
+ * and for every ``count`` (ATen's vectorized sigmoid rounds its vector body and its scalar tail
+ * differently, so a value's result depends on where it falls in the tensor). */
+void dsv4_sigmoid_f32(float *out, const float *x, int64_t count) {
+    for (int64_t i = 0; i < count; ++i) out[i] = sigmoid(x[i]);
+}
+
+/* ``cos[i], sin[i]`` of ``angles[i]`` (``cos_sin_scalar``) for ``count`` contiguous float32
+ * angles: the rotary tables of a step, the same bits on every CPU. */
+void dsv4_cos_sin_f32(float *cos, float *sin, const float *angles, int64_t count) {
+    for (int64_t i = 0; i < count; ++i) cos_sin_scalar(angles[i], cos + i, sin + i);
+}
+
 
 /* A hyper-connection's mixing weights from its ``tokens`` x (2 + n) * n float32 ``logits``
  * (``dsv4.hyper.HyperConnection``): each logit times its part's ``scale`` (3 values: pre,
@@ -133,7 +279,7 @@ void dsv4_hc_weights_f32(float *pre, float *post, float *bordered, const float *
                 largest = out[j] > largest ? out[j] : largest;
             }
             for (int64_t j = 0; j < n; ++j) {
-                out[j] = expf(out[j] - largest);
+                out[j] = exp_scalar(out[j] - largest);
                 sum += out[j];
             }
             const float inverse = 1.0f / sum; /* ATen multiplies by the reciprocal */
@@ -229,46 +375,6 @@ TWO_ISAS(, dsv4_rms_norm_f32, rms_norm_body,
          (float *out, const float *x, const float *weight, int64_t rows, int64_t width,
           float eps),
          (out, x, weight, rows, width, eps))
-
-/* ``e^x`` as the SwiGLU kernels compute it, the same bits in every lane and in the scalar form:
- * ``n = rint(x log2 e)``, ``r = x - n ln 2`` in two fused steps (ln 2 split in two, Cody and
- * Waite), ``e^r`` by Cephes' degree-7 polynomial (Horner, fused multiply-adds), times ``2^n`` as
- * two powers of two (never overflowing early; a subnormal result rounds twice). Measured within
- * one unit in the last place of glibc's ``expf`` wherever e^x is a normal float (a million
- * arguments from -110 to 90); +inf above 88.73, 0 below -104, NaN for NaN. */
-#define EXP_HIGH 88.7228394f
-#define EXP_LOW -104.0f
-#define EXP_LOG2E 1.44269504088896341f
-#define EXP_LN2_HIGH 0.693359375f
-#define EXP_LN2_LOW -2.12194440e-4f
-
-static inline float exp_poly(float r) {
-    float p = 1.9875691500e-4f;
-    p = fmaf(p, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
-    return fmaf(p, r * r, r) + 1.0f;
-}
-
-static inline float power_of_two(int32_t n) {
-    union {
-        int32_t bits;
-        float value;
-    } v = {(n + 127) << 23};
-    return v.value;
-}
-
-static inline float exp_scalar(float x) {
-    if (x != x) return x;
-    if (x > EXP_HIGH) return INFINITY;
-    const float clamped = x < EXP_LOW ? EXP_LOW : x;
-    const float n = rintf(clamped * EXP_LOG2E);
-    const float r = fmaf(n, -EXP_LN2_LOW, fmaf(n, -EXP_LN2_HIGH, clamped));
-    const int32_t whole = (int32_t)n, half = whole / 2;
-    return (exp_poly(r) * power_of_two(half)) * power_of_two(whole - half);
-}
 
 /* One element of the clamped SwiGLU: ``silu(min(gate, limit)) * clamp(up, -limit, limit)``. */
 static inline float swiglu_one(float g, float u, float limit) {
@@ -1121,7 +1227,7 @@ int64_t dsv4_route_f32(int64_t *experts, float *weights, float *scores, float *b
                        int64_t k, int64_t sigmoid, float scaling) {
     for (int64_t i = 0; i < tokens * width; ++i) {
         const float l = logits[i];
-        scores[i] = sigmoid ? 1.0f / (1.0f + expf(-l)) : sqrtf(l > 20.0f ? l : log1pf(expf(l)));
+        scores[i] = sigmoid ? 1.0f / (1.0f + exp_scalar(-l)) : sqrt_softplus(l);
     }
     if (bias != NULL) {
         for (int64_t t = 0; t < tokens; ++t)

@@ -33,6 +33,7 @@ from dsv4.native_ops import (
     HC_MIX_INTO,
     HC_PRE_INTO,
     HC_WEIGHTS_INTO,
+    SIGMOID_INTO,
     bound_call,
     native_takes,
 )
@@ -217,9 +218,20 @@ class HyperHead(nn.Module):
         x = as_dtype(streams, torch.float32)
         flat = rms_norm(x.flatten(1), None, self.norm_eps)
         logits = panel_product(self, self._copy, flat, self.hc_fn) * self.hc_scale + self.hc_base
-        pre = torch.sigmoid(logits) + self.eps
+        pre = _sigmoid(logits) + self.eps
         if native_takes(x, pre):
             collapsed = x.new_empty(x.shape[0], x.shape[-1])
             HC_COLLAPSE_INTO(collapsed, pre, x)
             return as_dtype(collapsed, streams.dtype)
         return as_dtype(torch.einsum("tn,tnh->th", pre, x), streams.dtype)
+
+
+def _sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """``torch.sigmoid(x)``: on the CPU one native op whose value for an element is the same
+    whatever the tensor's size and the CPU's instruction set (ATen's vector body and scalar
+    tail round differently, so a graph padded to its capture size would not equal eager)."""
+    if native_takes(x):
+        out = torch.empty_like(x)
+        SIGMOID_INTO(out, x)
+        return out
+    return torch.sigmoid(x)

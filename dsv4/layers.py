@@ -57,7 +57,7 @@ def _in_panel_rows(x: torch.Tensor, row_width: int) -> bool:
     """Whether ``x`` is more than ``SKINNY_ROWS`` and at most ``PANEL_ROWS`` rows of
     ``row_width`` values, on one thread: the products that read a copy in panels."""
     rows = x.numel() // row_width if row_width else 0
-    return SKINNY_ROWS < rows <= PANEL_ROWS and torch.get_num_threads() == 1
+    return SKINNY_ROWS < rows and torch.get_num_threads() == 1
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

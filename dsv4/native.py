@@ -15,7 +15,11 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-__all__ = ["KERNELS", "prebound", "reason"]
+import torch
+
+import dsv4_isa
+
+__all__ = ["ISA", "KERNELS", "prebound", "reason"]
 
 
 _POINTER: type = ctypes.c_void_p
@@ -42,6 +46,11 @@ _SIGNATURES: dict[str, list[type]] = {
     "dsv4_swiglu_mlp_f32": [_POINTER] * 8 + [_SIZE] * 3 + [_FLOAT],
     "dsv4_gather_rows": [_POINTER] * 3 + [_SIZE] * 3,
     "dsv4_scatter_rows": [_POINTER] * 3 + [_SIZE] * 3,
+    "dsv4_sigmoid_f32": [_POINTER] * 2 + [_SIZE],
+    "dsv4_cos_sin_f32": [_POINTER] * 3 + [_SIZE],
+    "dsv4_cpu_isa": [],
+    "dsv4_kernel_isa": [],
+    "dsv4_select_isa": [_SIZE],
 }
 """Each kernel's C parameters (pointers, ``int64_t`` sizes, ``float`` scalars)."""
 
@@ -54,6 +63,9 @@ _RETURNS: dict[str, type] = {
         "dsv4_pool_f32",
         "dsv4_gather_rows",
         "dsv4_scatter_rows",
+        "dsv4_cpu_isa",
+        "dsv4_kernel_isa",
+        "dsv4_select_isa",
     )
 }
 """Kernels that return a status (0, or negative where it did nothing); the others ``void``."""
@@ -79,8 +91,30 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     return library, f"loaded {name}"
 
 
+def _select_isa(library: ctypes.CDLL | None) -> str:
+    """Apply ``DSV4_KERNEL_ISA`` (``dsv4_isa``) to torch's libraries and the native kernels;
+    return the instruction set the kernels use (``"baseline"`` without them). Refuses
+    (``KernelIsaError``) one the CPU lacks, and one torch cannot take any more: its kernels
+    were chosen, wider, before this module was imported."""
+    isa = dsv4_isa.apply_requested()
+    if isa is not None:
+        if library is not None and library.dsv4_select_isa(dsv4_isa.ISAS.index(isa)) < 0:
+            raise dsv4_isa.KernelIsaError(f"{dsv4_isa.KERNEL_ISA}={isa}: this CPU lacks it")
+        chosen = torch.backends.cpu.get_cpu_capability()
+        if chosen != dsv4_isa.TORCH_CAPABILITY[isa]:
+            raise dsv4_isa.KernelIsaError(
+                f"{dsv4_isa.KERNEL_ISA}={isa}: torch already runs its {chosen} kernels (set the "
+                "variable before the process first runs a torch operator)"
+            )
+    return dsv4_isa.ISAS[library.dsv4_kernel_isa()] if library is not None else "baseline"
+
+
 KERNELS, reason = _load()
 """The loaded library (``None`` when absent) and a line saying what happened."""
+
+ISA = _select_isa(KERNELS)
+"""The instruction set the native kernels use: the widest of ``dsv4_isa.ISAS`` the CPU has, or
+the one ``DSV4_KERNEL_ISA`` names."""
 
 
 def prebound(kernel: Any, *arguments: Any) -> functools.partial[Any]:

@@ -23,6 +23,7 @@ from graphs.tape.stale import register_row_writes
 
 __all__ = [
     "ATTEND_INTO",
+    "COS_SIN_INTO",
     "GATHER_ROWS_INTO",
     "GROUPED_LINEAR_INTO",
     "HC_COLLAPSE_INTO",
@@ -38,6 +39,7 @@ __all__ = [
     "ROUTED_EXPERTS_INTO",
     "ROUTE_INTO",
     "SCATTER_ROWS_",
+    "SIGMOID_INTO",
     "STABLE_TOPK_INTO",
     "SWIGLU_INTO",
     "SWIGLU_MLP_INTO",
@@ -92,6 +94,8 @@ _LIBRARY.define("gather_rows_into(Tensor(a!) out, Tensor table, Tensor rows) -> 
 _LIBRARY.define("scatter_rows_(Tensor(a!) table, Tensor rows, Tensor values) -> ()")
 _LIBRARY.define("stable_topk_into(Tensor(a!) out, Tensor scores) -> ()")
 _LIBRARY.define("swiglu_into(Tensor(a!) out, Tensor gate, Tensor up, float limit) -> ()")
+_LIBRARY.define("sigmoid_into(Tensor(a!) out, Tensor x) -> ()")
+_LIBRARY.define("cos_sin_into(Tensor(a!) cos, Tensor(b!) sin, Tensor angles) -> ()")
 _LIBRARY.define(
     "rope_into(Tensor(a!) out, Tensor x, Tensor cos, Tensor sin, Tensor swap, bool inverse) -> ()"
 )
@@ -291,6 +295,29 @@ def _bind_swiglu(
         rows,
         width,
         limit,
+    )
+
+
+def _bind_sigmoid(out: torch.Tensor, x: torch.Tensor) -> BoundCall:
+    assert KERNELS is not None
+    _require(out.shape == x.shape, "sigmoid_into", "out of x's shape")
+    return bound_call(KERNELS.dsv4_sigmoid_f32, (out, x), out.data_ptr(), x.data_ptr(), x.numel())
+
+
+def _bind_cos_sin(cos: torch.Tensor, sin: torch.Tensor, angles: torch.Tensor) -> BoundCall:
+    assert KERNELS is not None
+    _require(
+        cos.shape == angles.shape and sin.shape == angles.shape,
+        "cos_sin_into",
+        "cos and sin of the angles' shape",
+    )
+    return bound_call(
+        KERNELS.dsv4_cos_sin_f32,
+        (cos, sin, angles),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        angles.data_ptr(),
+        angles.numel(),
     )
 
 
@@ -706,6 +733,8 @@ _BINDERS: dict[str, Binder] = {
     "linear_panels_into": _bind_linear_panels,
     "swiglu_into": _bind_swiglu,
     "rope_into": _bind_rope,
+    "sigmoid_into": _bind_sigmoid,
+    "cos_sin_into": _bind_cos_sin,
     "routed_experts_into": _bind_routed_experts,
     "attend_into": _bind_attend,
     "stable_topk_into": _bind_stable_topk,
@@ -739,5 +768,7 @@ GATHER_ROWS_INTO = torch.ops.dsv4.gather_rows_into.default
 SCATTER_ROWS_ = torch.ops.dsv4.scatter_rows_.default
 register_row_writes(SCATTER_ROWS_, lambda table, rows, values: (0, rows))
 ROPE_INTO = torch.ops.dsv4.rope_into.default
+SIGMOID_INTO = torch.ops.dsv4.sigmoid_into.default
+COS_SIN_INTO = torch.ops.dsv4.cos_sin_into.default
 ROUTED_EXPERTS_INTO = torch.ops.dsv4.routed_experts_into.default
 ROUTE_INTO = torch.ops.dsv4.route_into.default

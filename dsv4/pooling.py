@@ -141,10 +141,12 @@ class WindowPooler(nn.Module):
             masked = plan.before_start
         else:
             rows, masked = plan.window_slots, None
-        contiguous = rows.is_contiguous() and (masked is None or masked.is_contiguous())
-        if contiguous and native_takes(kv_rows, gate_rows):  # on the CPU: one op
+        if native_takes(kv_rows, gate_rows):  # on the CPU: one op, whatever the step's shape
+            # (a prefill's window slots are a strided view; copied, the op still runs, so a
+            # token's entry never depends on how many tokens its step carries)
             pooled = kv_rows.new_empty(rows.shape[0], self.dim)
-            POOL_INTO(pooled, kv_rows, gate_rows, rows, masked)
+            masked = masked.contiguous() if masked is not None else None
+            POOL_INTO(pooled, kv_rows, gate_rows, rows.contiguous(), masked)
         else:
             kv_w, gate_w = read_rows(kv_rows, rows), read_rows(gate_rows, rows)
             if masked is not None:

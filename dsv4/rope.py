@@ -29,7 +29,7 @@ from torch import nn
 
 from dsv4.config import YarnScaling
 from dsv4.layers import as_dtype
-from dsv4.native_ops import ROPE_INTO, native_takes
+from dsv4.native_ops import COS_SIN_INTO, ROPE_INTO, native_takes
 
 __all__ = ["RotaryEmbedding", "RotaryTables", "inverse_frequencies"]
 
@@ -150,7 +150,7 @@ class RotaryEmbedding(nn.Module):
         rounded to ``dtype`` first, as the reference rounds them to its input's dtype."""
         rows = self._rows(self.width)
         angles = positions * rows.frequencies  # int64 * fp32 computes in fp32
-        cos, sin = angles.cos(), angles.sin()
+        cos, sin = _cos_sin(angles)
         if rows.scaled:
             cos, sin = cos * rows.scale, sin * rows.scale
         if dtype != torch.float32:
@@ -171,3 +171,14 @@ class RotaryEmbedding(nn.Module):
         turned = h.index_select(-1, swap) * tables.sin
         rotated = h * tables.cos - turned if inverse else h * tables.cos + turned
         return as_dtype(rotated, x.dtype)
+
+
+def _cos_sin(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``angles.cos(), angles.sin()``: on the CPU one native op whose values are correctly
+    rounded and the same on every instruction set (ATen's are within a unit in the last place,
+    and which unit depends on the CPU's vector width); ATen's ops elsewhere."""
+    if native_takes(angles):
+        cos, sin = torch.empty_like(angles), torch.empty_like(angles)
+        COS_SIN_INTO(cos, sin, angles)
+        return cos, sin
+    return angles.cos(), angles.sin()

@@ -19,6 +19,7 @@ import sys
 import traceback
 
 from dsv4.parallel import ParallelSizeError
+from dsv4_isa import KernelIsaError
 from graphs.errors import InputError
 from platforms.errors import UnknownPlatformError
 from runners.capacity import CapacityError
@@ -57,6 +58,7 @@ def report_failure(command: str, exc: BaseException) -> int:
         UnsupportedDtypeError,
         CapacityError,
         CaptureSizeError,
+        KernelIsaError,
     )
     if isinstance(exc, (*usage, ParallelSizeError)):
         code = EXIT_USAGE
