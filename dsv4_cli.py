@@ -8,8 +8,8 @@ During the start-up imports the interrupt exits at once from a signal handler: s
 libraries run ``except:`` clauses that would swallow a ``KeyboardInterrupt`` raised there.
 
 Before torch is imported it applies ``DSV4_KERNEL_ISA`` (``dsv4_isa``: one line and exit code
-2 for an instruction set that is unknown or that the CPU lacks), and it asks torch to back its CPU allocations of 2 MiB and more with
-transparent huge pages (``prefer_huge_pages``).
+2 for an instruction set that is unknown or that the CPU lacks), and it asks torch to back its
+CPU allocations of 2 MiB and more with transparent huge pages (``prefer_huge_pages``).
 """
 
 from __future__ import annotations

@@ -100,11 +100,14 @@ class Indexer(WindowPooler):
         entry of each token's request (column ``s`` is the request's entry ``s``), of which
         ``visible`` ``[T, capacity]`` are complete; ties go to the lower entry index."""
         fp32 = torch.float32
+        queries, keys = as_dtype(queries, fp32), as_dtype(keys, fp32)
         if _native_scores(queries, weights, keys, visible):  # on the CPU: one op
+            # (also for bf16 models, on float32 copies: a matrix product's sums may depend on
+            # how many entries the step's widest request has, and decide the top-k)
             scores = queries.new_empty(visible.shape)
             INDEX_SCORES_INTO(scores, queries, keys, weights, visible, self.dim**-0.5)
             return stable_topk(scores, min(self.topk, keys.shape[1]))
-        scores = torch.einsum("thd,tsd->ths", as_dtype(queries, fp32), as_dtype(keys, fp32))
+        scores = torch.einsum("thd,tsd->ths", queries, keys)
         scores = (scores.relu_() * self.dim**-0.5 * weights.unsqueeze(-1)).sum(dim=1)
         scores = torch.where(visible, scores, float("-inf"))
         return stable_topk(scores, min(self.topk, keys.shape[1]))

@@ -26,7 +26,7 @@ from dsv4.native_ops import (
 from dsv4.panels import PanelCopy
 
 __all__ = [
-    "PANEL_ROWS",
+    "BLOCK_ROWS",
     "SKINNY_ROWS",
     "GroupedLinear",
     "Linear",
@@ -46,18 +46,22 @@ SKINNY_ROWS = 4
 it or faster, at 16 up to 1.3x slower, so MKL runs above four)."""
 
 
-PANEL_ROWS = 64
-"""Rows up to which, above ``SKINNY_ROWS``, a float32 product on one CPU thread reads its
-module's copy of the weight in panels (``dsv4.panels``; ``LINEAR_PANELS_INTO``) instead of
-running MKL (measured, one thread, 512 x 512 in cache, 16 rows: the kernel 81 us, 100 GFLOP/s,
-MKL's ``mm`` 131 us; called from Python, 0.86x MKL's time at 16 rows, level at 64)."""
+BLOCK_ROWS = 64
+"""Rows a float32 product in panels multiplies per read of its matrix (``MAX_BLOCK_ROWS`` of
+``dsv4/_kernels.c``). Above ``SKINNY_ROWS`` every float32 product on one CPU thread reads its
+module's copy of the weight in panels (``dsv4.panels``; ``LINEAR_PANELS_INTO``), a block of these
+rows at a time, whatever the row count: MKL's sums would depend on the row count and on the
+instruction set (a baseline x86-64 CPU's MKL differs from an AVX2 one's in the last bits), the
+panels' never do. Measured, one thread, 512 x 512 in cache, 16 rows: the kernel 81 us, 100
+GFLOP/s, MKL's ``mm`` 131 us; level with MKL at 64 rows; prefill of 2,000 tokens of ``small``
+1.53 s against MKL's 1.56 s."""
 
 
 def _in_panel_rows(x: torch.Tensor, row_width: int) -> bool:
-    """Whether ``x`` is more than ``SKINNY_ROWS`` and at most ``PANEL_ROWS`` rows of
-    ``row_width`` values, on one thread: the products that read a copy in panels."""
+    """Whether ``x`` is more than ``SKINNY_ROWS`` rows of ``row_width`` values, on one thread:
+    the products that read a copy in panels."""
     rows = x.numel() // row_width if row_width else 0
-    return SKINNY_ROWS < rows and torch.get_num_threads() == 1
+    return rows > SKINNY_ROWS and torch.get_num_threads() == 1
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -95,7 +99,7 @@ def _panels_for(
     module: nn.Module, copy: PanelCopy, weight: torch.Tensor, x: torch.Tensor, row_width: int
 ) -> torch.Tensor | None:
     """``module``'s ``copy`` of ``weight`` in panels where ``x`` (rows of ``row_width``) is one
-    native product on it: more than ``SKINNY_ROWS`` and at most ``PANEL_ROWS`` contiguous
+    native product on it: more than ``SKINNY_ROWS`` contiguous
     float32 rows on one thread, the copy holding the weight's values; else ``None``."""
     if not (_in_panel_rows(x, row_width) and native_takes(x)):
         return None
@@ -117,7 +121,7 @@ def panel_product(
 
 class Linear(nn.Linear):
     """``nn.Linear`` without bias whose forward is ``linear`` (same parameters, same checkpoint
-    names; quantized loading replaces it as it replaces ``nn.Linear``), or, for ``PANEL_ROWS``
+    names; quantized loading replaces it as it replaces ``nn.Linear``), or, above ``SKINNY_ROWS``
     float32 rows on one thread, one native product on its copy of the weight in panels
     (``pack_panels``)."""
 
@@ -198,8 +202,8 @@ class GroupedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Like ``Linear``: a decode step's few float32 rows on one CPU thread take one native
-        op (each group's weights read once for all rows; for up to ``PANEL_ROWS`` rows on the
-        copy in panels), anything else ATen's ``einsum``."""
+        op (each group's weights read once for all rows; above ``SKINNY_ROWS`` rows on the copy
+        in panels), anything else ATen's ``einsum``."""
         panels = None
         if x.dim() > 1:
             panels = _panels_for(self, self._copy, self.weight, x, x.shape[-1] * x.shape[-2])

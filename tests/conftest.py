@@ -4,6 +4,9 @@ Profiles (choose with ``HYPOTHESIS_PROFILE``):
 - ``dev``: few examples, fast feedback while editing.
 - ``ci``: derandomized, so a CI failure reproduces exactly; the default under ``make test``.
 - ``thorough``: many examples for long runs before a release.
+
+``DSV4_KERNEL_ISA=avx2`` (or ``baseline``) runs the whole suite as a CPU without AVX-512 (or
+without AVX) would (``dsv4_isa``).
 """
 
 from __future__ import annotations
@@ -12,9 +15,13 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-import torch
-from hypothesis import HealthCheck, settings
+import dsv4_isa
+
+dsv4_isa.apply_requested()  # before torch runs anything: ``DSV4_KERNEL_ISA`` caps the whole run
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
 

@@ -1,5 +1,5 @@
 """Products on weights packed in panels (``dsv4.panels``): ``Linear`` and ``GroupedLinear`` read
-their copy for more than ``SKINNY_ROWS`` and at most ``PANEL_ROWS`` float32 rows on one thread.
+their copy for more than ``SKINNY_ROWS`` float32 rows on one thread, in blocks of ``BLOCK_ROWS``.
 Each output is one float32 sum of fused multiply-adds (within a float32 sum's bound of the
 float64 definition), a row's result does not depend on the rows beside it, and the copy is read
 only while the weight holds what it was packed from."""
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from dsv4 import native
 from dsv4.config import DeepseekV4Config
 from dsv4.hyper import HyperConnection, HyperHead
-from dsv4.layers import PANEL_ROWS, SKINNY_ROWS, GroupedLinear, Linear
+from dsv4.layers import BLOCK_ROWS, SKINNY_ROWS, GroupedLinear, Linear
 from dsv4.moe import Router
 from dsv4.panels import PANEL, PanelCopies, pack_model, panel_width
 from graphs import BreakableCapture, TapeBackend
@@ -40,7 +40,7 @@ def _ops(module: torch.nn.Module, x: torch.Tensor) -> dict[str, int]:
 
 
 @given(
-    rows=st.integers(SKINNY_ROWS + 1, PANEL_ROWS),
+    rows=st.integers(SKINNY_ROWS + 1, 2 * BLOCK_ROWS + 3),
     in_features=st.integers(1, 200),
     out_features=st.sampled_from([1, 5, 16, 24, 33, 63, PANEL, 2 * PANEL, 3 * PANEL]),
     spread=st.sampled_from([1e-3, 1.0, 1e3]),
@@ -98,10 +98,10 @@ def test_the_copy_is_read_only_while_the_weight_holds_what_it_was_packed_from() 
     assert "weight_panels" not in module.state_dict()
 
 
-def test_only_panel_sized_rows_on_one_thread_read_the_copy() -> None:
+def test_only_more_than_skinny_rows_on_one_thread_read_the_copy() -> None:
     module = _linear(16, 2 * PANEL, seed=2)
     pack_model(module)
-    for rows, native_rows in ((SKINNY_ROWS, False), (PANEL_ROWS, True), (PANEL_ROWS + 1, False)):
+    for rows, native_rows in ((SKINNY_ROWS, False), (BLOCK_ROWS, True), (3 * BLOCK_ROWS + 1, True)):
         assert ("linear_panels_into" in _ops(module, torch.randn(rows, 16))) is native_rows
     assert "linear_panels_into" not in _ops(module, torch.randn(8, 32)[:, ::2])  # strided rows
     previous = torch.get_num_threads()

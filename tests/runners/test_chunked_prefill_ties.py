@@ -32,13 +32,18 @@ NEW_TOKENS = 3
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-3}
 
 
-@pytest.fixture(scope="module")
-def tying_model() -> DeepseekV4ForCausalLM:
+def build_tying_model() -> DeepseekV4ForCausalLM:
+    """The tie-heavy model (also run under every instruction set by ``tests/dsv4/isa_run``)."""
     config = attrs.evolve(DeepseekV4Config.tiny(), index_n_heads=1, index_topk=2)
     return random_model(config, 3, indexer="one-head")
 
 
-def _in_dtype(model: DeepseekV4ForCausalLM, dtype: torch.dtype) -> DeepseekV4ForCausalLM:
+@pytest.fixture(scope="module")
+def tying_model() -> DeepseekV4ForCausalLM:
+    return build_tying_model()
+
+
+def in_dtype(model: DeepseekV4ForCausalLM, dtype: torch.dtype) -> DeepseekV4ForCausalLM:
     if dtype == torch.float32:
         return model
     converted = DeepseekV4ForCausalLM(model.config, dtype=dtype)  # fp32-kept modules stay so
@@ -46,7 +51,7 @@ def _in_dtype(model: DeepseekV4ForCausalLM, dtype: torch.dtype) -> DeepseekV4For
     return converted.eval()
 
 
-def _run(
+def run_budget(
     model: DeepseekV4ForCausalLM, budget: int, prompts: list[list[int]]
 ) -> tuple[list[tuple[int, ...]], torch.Tensor]:
     """Greedy tokens of every prompt, and the logits at the first prompt's last token."""
@@ -79,9 +84,9 @@ def _run(
 def test_every_budget_gives_the_same_tokens_and_logits_alone_and_batched(
     tying_model: DeepseekV4ForCausalLM, dtype: torch.dtype
 ) -> None:
-    model = _in_dtype(tying_model, dtype)
-    alone = [_run(model, budget, [PROMPT]) for budget in BUDGETS]
-    batched = [_run(model, budget, [PROMPT, OTHER]) for budget in BUDGETS]
+    model = in_dtype(tying_model, dtype)
+    alone = [run_budget(model, budget, [PROMPT]) for budget in BUDGETS]
+    batched = [run_budget(model, budget, [PROMPT, OTHER]) for budget in BUDGETS]
     for tokens, logits in alone[1:] + batched:
         assert tokens[0] == alone[0][0][0]
         assert float((logits - alone[0][1]).abs().max()) <= TOLERANCE[dtype]
