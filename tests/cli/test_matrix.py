@@ -97,10 +97,10 @@ def test_matrix_is_a_gate_failing_on_a_mismatch_unless_report_only(
 ) -> None:
     """The gate on a real run; then the same cells reported only (the run's payload is handed
     back instead of running the matrix again: the exit code and wording are the CLI's)."""
-    # atol 0: a prompt padded to 128 rows, past the 64 a native product takes, runs MKL's
-    # products, which differ from the unpadded eager step's by a few 1e-6: those cells mismatch
+    # atol 0 on two threads: the native kernels take one thread only, so MKL's products run,
+    # and a step padded to 128 rows sums differently from the unpadded eager step (a few 1e-6)
     argv = ["matrix", "--platform", "cpu", "--prompt-ids", "1,2,3,4,5", "--atol", "0"]
-    argv += ["--max-new-tokens", "2", "--capture-sizes", "1,128"]
+    argv += ["--max-new-tokens", "2", "--capture-sizes", "1,128", "--threads", "2"]
     assert main([*argv, "--json"]) == 1
     payload = json.loads(capsys.readouterr().out)
     assert payload["failed_cells"] == payload["counts"]["mismatch"] > 0
