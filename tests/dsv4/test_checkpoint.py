@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -105,16 +106,22 @@ def test_random_checkpoint_loads_in_transformers_and_ours(tmp_path: Path, tied: 
 
 def test_bfloat16_model_equals_transformers_in_bfloat16(tmp_path: Path) -> None:
     """Weights the reference keeps in fp32 stay fp32 here too, and rounding happens where the
-    reference rounds, so the two bf16 models agree (not merely both close to fp32). Seed 0's
-    logits are bit for bit transformers'; of seeds 0-5, 1 and 4 differ from one position on by
-    one or two bf16 units (0.016-0.031: an open question, docs/testing.md)."""
+    reference rounds, so the two bf16 models agree: within two bf16 units of the largest logit
+    and much closer than float32 is. (Seed 0 agrees bit for bit on AVX-512; ATen's bf16
+    kernels under AVX2 move it by 0.016. Of seeds 0-5, 1 and 4 differ from one position on by
+    up to 0.031, half float32's distance: an open question, docs/testing.md.)"""
     save_random_checkpoint(tmp_path, DeepseekV4Config.tiny(), seed=0)
     hf = transformers.DeepseekV4ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
     ours = load_checkpoint(tmp_path, dtype=torch.bfloat16)
     hf_fp32 = {n for n, p in hf.named_parameters() if p.dtype == torch.float32}
     assert hf_fp32 == {n for n, p in ours.named_parameters() if p.dtype == torch.float32}
-    logits = run_schedule(ours, [PROMPT], [[(0, len(PROMPT))]])[0]
-    assert (logits - hf_logits(hf.eval(), PROMPT)).abs().max() <= 1e-2
+    logits = run_schedule(ours, [PROMPT], [[(0, len(PROMPT))]])[0].float()
+    reference = hf_logits(hf.eval(), PROMPT).float()
+    unit = 2.0 ** (math.floor(math.log2(float(reference.abs().max()))) - 7)
+    assert float((logits - reference).abs().max()) <= 2 * unit
+    full = load_checkpoint(tmp_path, dtype=torch.float32)
+    float32 = run_schedule(full, [PROMPT], [[(0, len(PROMPT))]])[0]
+    assert (logits - reference).abs().max() < (float32 - reference).abs().max() / 2
 
 
 def _drop(name: str) -> Callable[[dict[str, torch.Tensor]], None]:
