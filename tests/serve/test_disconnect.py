@@ -1,11 +1,16 @@
 """A client that disconnects mid-request aborts its request: ``dsv4:num_requests_running`` is
-back to 0 within a second (the abort counted), and no other request loses a token."""
+back to 0 within a second (the abort counted), and no other request loses a token.
+
+The server is this module's own, with room for 1,000-token requests: a request must outlast the
+client's leaving, and at a fraction of a millisecond a token (tiny, FULL graphs) the shared
+server's 128-token context is generated before the disconnect reaches the engine."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -14,13 +19,33 @@ import pytest
 from tests.serve.conftest import KEY, PROMPTS
 from tests.serve.support import ServerProcess, metric, wait_for
 
-LONG = {"max_tokens": 100, "temperature": 0, "ignore_eos": True}
+CONTEXT = 1024
+LONG = {"max_tokens": 1000, "temperature": 0, "ignore_eos": True}
 ABORTED = 'finished_reason="abort"'
 
 
 @pytest.fixture(scope="module")
-def http(server: ServerProcess) -> Iterator[httpx.Client]:
-    with server.client(KEY) as client:
+def long_server(checkpoint: Path) -> Iterator[ServerProcess]:
+    process = ServerProcess(
+        "--checkpoint",
+        str(checkpoint),
+        "--api-key",
+        KEY,
+        "--max-model-len",
+        str(CONTEXT),
+        "--capture-sizes",
+        "1,2,4,8,16",
+    )
+    try:
+        yield process
+    finally:
+        code, _ = process.stop()
+        assert code == 0, process.stderr
+
+
+@pytest.fixture(scope="module")
+def http(long_server: ServerProcess) -> Iterator[httpx.Client]:
+    with long_server.client(KEY) as client:
         yield client
 
 
@@ -53,9 +78,9 @@ def test_leaving_mid_stream_frees_the_engine_within_a_second(
 
 def test_leaving_a_plain_request_aborts_it_too(http: httpx.Client, model_name: str) -> None:
     aborted = metric(http, "dsv4:request_success_total", ABORTED)
-    # 16 sequences (the most n takes) of 120 tokens: about half a second of work on a quiet
-    # machine, five times the client's patience
-    body = {"model": model_name, "prompt": PROMPTS[0], "n": 16, **LONG, "max_tokens": 120}
+    # 16 sequences (the most n takes) of 1,000 tokens: seconds of work, many times the
+    # client's patience
+    body = {"model": model_name, "prompt": PROMPTS[0], "n": 16, **LONG}
     with pytest.raises(httpx.ReadTimeout):
         http.post("/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.1))
     wait_for(lambda: _running(http) == 0, timeout=1.0)
@@ -65,9 +90,8 @@ def test_leaving_a_plain_request_aborts_it_too(http: httpx.Client, model_name: s
 def test_another_request_loses_no_token_when_one_leaves(
     http: httpx.Client, model_name: str
 ) -> None:
-    # the longest the context allows ("tiny" is at most 5 tokens of 128): at about a millisecond
-    # a token, the leaver comes and goes within its first few dozen tokens
-    other = {"model": model_name, "prompt": PROMPTS[11], **LONG, "max_tokens": 120}
+    # the leaver comes and goes within the other's first few hundred tokens
+    other = {"model": model_name, "prompt": PROMPTS[11], **LONG}
     alone = http.post("/v1/completions", json=other).json()["choices"][0]["text"]
     pieces: list[str] = []
 
@@ -85,6 +109,6 @@ def test_another_request_loses_no_token_when_one_leaves(
     aborted = metric(http, "dsv4:request_success_total", ABORTED)
     _leave_after(http, {"model": model_name, "prompt": PROMPTS[0], **LONG}, events=1)
     wait_for(lambda: metric(http, "dsv4:request_success_total", ABORTED) == aborted + 1, 1.0)
-    assert len(pieces) < 120  # the other request was still streaming when this one left
+    assert len(pieces) < LONG["max_tokens"]  # still streaming when this one left
     thread.join(120)
     assert "".join(pieces) == alone
