@@ -46,7 +46,10 @@ def test_against_dsv4_serve_every_request_completes_with_the_reported_tokens(
     for latency in ("ttft_ms", "itl_ms", "e2e_ms"):
         values = report[latency]
         assert 0 < values["p50"] <= values["p90"] <= values["p99"]
-    assert report["output_throughput"] == pytest.approx(6 * 12 / report["duration_s"], rel=0.01)
+    # duration_s is rounded to the millisecond (a run here takes about 40 ms), the throughput
+    # computed from the unrounded duration
+    duration = report["duration_s"]
+    assert 6 * 12 / (duration + 5e-4) <= report["output_throughput"] <= 6 * 12 / (duration - 5e-4)
 
 
 def test_a_shared_prefix_is_found_in_dsv4_serves_prefix_cache(
