@@ -183,7 +183,11 @@ class CheckpointTokenizer:
     def encode_messages(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         """``render_messages(messages)`` as token ids, as ``apply_chat_template(messages,
         add_generation_prompt=True, tokenize=True)``."""
-        rendered = self.render_messages(messages)
+        return self.encode_rendered(self.render_messages(messages))
+
+    def encode_rendered(self, rendered: str) -> list[int]:
+        """A rendered chat prompt (``render_messages``) as token ids: no special tokens added
+        (the template wrote them)."""
         return list(self.tokenizer.encode(rendered, add_special_tokens=False).ids)
 
     def decode(self, ids: Sequence[int]) -> str:

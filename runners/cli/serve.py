@@ -29,7 +29,7 @@ import attrs
 from runners.cli.errors import UsageError
 from runners.cli.options import add_model_options, add_policy_options
 from runners.cli.run import spec_from_args
-from runners.cli.values import at_least, byte_count, non_negative_float
+from runners.cli.values import at_least, byte_count, non_negative_float, positive_float
 from runners.distributed import torchrun_world
 from runners.engine import LLM
 from runners.ranked import launch_engine
@@ -38,11 +38,21 @@ from runners.spec import EngineSpec, build_engine
 from runners.text import tokenizer_of
 from runners.threads import apply_threads
 
-__all__ = ["BUILTIN_MODEL_NAME", "add_arguments", "execute", "render"]
+__all__ = ["BUILTIN_MODEL_NAME", "add_arguments", "default_body_bytes", "execute", "render"]
 
 BUILTIN_MODEL_NAME = "dsv4-tiny"
 """The served name of the built-in model (without --checkpoint or --served-model-name)."""
 API_KEY_ENV = "DSV4_API_KEY"
+REQUEST_TIMEOUT_S = 30.0
+"""Seconds a request may take to arrive whole (head and body) before it gets 408."""
+KEEP_ALIVE_S = 30.0
+"""Seconds an idle connection is kept open: longer than clients keep theirs (httpx, and so the
+``openai`` client, close an idle connection after 5 s), so the client closes it first and never
+sends a request on a connection the server is closing."""
+MIN_BODY_BYTES = 2**20
+BODY_BYTES_PER_TOKEN = 16
+"""A default body holds a ``max_model_len`` prompt as token ids (up to 8 bytes an id with its
+separator, twice over) or as text of up to 16 bytes a token, and at least ``MIN_BODY_BYTES``."""
 
 
 class EngineFailedError(RuntimeError):
@@ -76,9 +86,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--max-request-bytes",
         type=byte_count,
-        default=16 * 2**20,
+        default=None,
         metavar="BYTES",
-        help="largest request body (default: 16MiB); larger ones get 413",
+        help=f"largest request body; larger ones get 413 (default: {BODY_BYTES_PER_TOKEN} "
+        f"bytes per token of the context, at least 1MiB: 16MiB at a 1M-token context)",
+    )
+    group.add_argument(
+        "--request-timeout",
+        type=positive_float,
+        default=REQUEST_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"how long a request may take to arrive whole, head and body, before it gets 408 "
+        f"(default: {REQUEST_TIMEOUT_S:g})",
+    )
+    group.add_argument(
+        "--keep-alive-timeout",
+        type=positive_float,
+        default=KEEP_ALIVE_S,
+        metavar="SECONDS",
+        help=f"how long an idle connection stays open (default: {KEEP_ALIVE_S:g}, longer than "
+        "clients keep theirs)",
     )
     group.add_argument(
         "--shutdown-grace",
@@ -89,6 +116,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_model_options(parser)
     add_policy_options(parser, platform_required=False)
+
+
+def default_body_bytes(max_model_len: int) -> int:
+    """The default ``--max-request-bytes`` for a context of ``max_model_len`` tokens."""
+    return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_model_len)
 
 
 def _port(text: str) -> int:
@@ -185,7 +217,7 @@ def _serve(
         model_name=name,
         max_model_len=served.max_model_len,
         api_key=api_key,
-        max_body_bytes=args.max_request_bytes,
+        max_body_bytes=args.max_request_bytes or default_body_bytes(served.max_model_len),
         max_pending=args.max_num_seqs + args.max_queued_requests,
     )
     metrics = Metrics(name)
@@ -203,7 +235,18 @@ def _serve(
     def ready() -> None:
         print(f"dsv4 serve: serving {name!r} on {url}", file=sys.stderr, flush=True)
 
-    failure = serve(build_app(context), sock, loop, grace_s=args.shutdown_grace, on_ready=ready)
+    try:
+        failure = serve(
+            build_app(context),
+            sock,
+            loop,
+            grace_s=args.shutdown_grace,
+            on_ready=ready,
+            request_timeout_s=args.request_timeout,
+            keep_alive_s=args.keep_alive_timeout,
+        )
+    finally:
+        context.close()
     if failure is not None:
         raise EngineFailedError(failure)
     sample = metrics.registry.get_sample_value

@@ -6,11 +6,14 @@ and awaits it, and never touches the model. The OpenAPI schema FastAPI publishes
 ``/openapi.json`` lists every route, body and error, and is what the fuzzer tests.
 
 Invariants:
-- With an API key, every ``/v1`` route needs ``Authorization: Bearer KEY`` (401 otherwise,
-  compared in constant time); ``/health``, ``/metrics``, ``/tokenize`` and ``/detokenize`` are
-  open, as in vLLM.
+- With an API key, every route but ``/health``, ``/metrics`` and the schema's needs
+  ``Authorization: Bearer KEY`` (401 otherwise, compared in constant time), checked before any
+  of the body is read: only a client with the key can make the server parse or tokenize
+  anything. (vLLM leaves ``/tokenize`` and ``/detokenize`` open; here they encode and decode
+  up to a body's worth of text, so they are guarded as the routes that generate.)
 - A request body over ``max_body_bytes`` is refused with 413 before the app reads it (by its
-  ``Content-Length``, or while it arrives); nothing a client sends reaches a path or a shell.
+  ``Content-Length``, or while it arrives); a client gone before its body ended gets nothing
+  (no route runs); nothing a client sends reaches a path or a shell.
 - ``/health`` answers 200 while the engine can serve and 503 with the reason once it failed.
 """
 
@@ -19,9 +22,8 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request, Response
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from runners.serve.chat import create_chat_completion
@@ -52,7 +54,9 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     for status, description in (
         (400, "a field is malformed, out of range or not supported (param names it)"),
         (404, "unknown model"),
+        (408, "the request did not arrive whole within the server's request timeout"),
         (413, "request body too large"),
+        (500, "the server's own failure"),
         (503, "the server is full (Retry-After) or the engine failed"),
     )
 }
@@ -72,16 +76,8 @@ def build_app(context: ServerContext) -> FastAPI:
     app = FastAPI(title="dsv4 serve", version="1", summary="OpenAI-compatible DeepSeek-V4 server")
     install_error_handlers(app)
     app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
-    bearer = HTTPBearer(auto_error=False)
-
-    def authorized(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:  # noqa: B008
-        if settings.api_key is None:
-            return
-        given = "" if credentials is None else credentials.credentials
-        if not secrets.compare_digest(given.encode(), settings.api_key.encode()):
-            raise ApiError(401, "missing or wrong API key: send Authorization: Bearer KEY")
-
-    guarded = [Depends(authorized)]
+    if settings.api_key is not None:
+        app.add_middleware(_KeyCheck, key=settings.api_key)  # outermost: before the body
 
     @app.get("/health", responses={503: _ERRORS[503]})
     async def health() -> dict[str, str]:
@@ -93,7 +89,7 @@ def build_app(context: ServerContext) -> FastAPI:
     async def metrics() -> Response:
         return Response(context.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models", dependencies=guarded, responses=_AUTH_ERRORS)
+    @app.get("/v1/models", responses=_AUTH_ERRORS)
     async def models() -> ModelList:
         card = ModelCard(
             id=settings.model_name, created=settings.created, max_model_len=settings.max_model_len
@@ -102,7 +98,6 @@ def build_app(context: ServerContext) -> FastAPI:
 
     @app.post(
         "/v1/completions",
-        dependencies=guarded,
         response_model=CompletionResponse,
         responses=_STREAMED,
     )
@@ -113,7 +108,6 @@ def build_app(context: ServerContext) -> FastAPI:
 
     @app.post(
         "/v1/chat/completions",
-        dependencies=guarded,
         response_model=ChatCompletionResponse,
         responses=_STREAMED,
     )
@@ -122,7 +116,7 @@ def build_app(context: ServerContext) -> FastAPI:
     ) -> ChatCompletionResponse | StreamingResponse:
         return await create_chat_completion(context, body, request)
 
-    @app.post("/tokenize", responses=_ERRORS)
+    @app.post("/tokenize", responses=_AUTH_ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         context.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -137,14 +131,36 @@ def build_app(context: ServerContext) -> FastAPI:
             tokens=tokens, count=len(tokens), max_model_len=settings.max_model_len
         )
 
-    @app.post("/detokenize", responses=_ERRORS)
+    @app.post("/detokenize", responses=_AUTH_ERRORS)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         context.check_model(body.model)
         context.check_ids(body.tokens, "tokens")
         context.require_tokenizer("tokens")
-        return DetokenizeResponse(prompt=context.decode(body.tokens))
+        return DetokenizeResponse(prompt=await context.decode_off_loop(body.tokens))
 
     return app
+
+
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs", "/redoc"})
+"""The routes that need no key (the module docstring)."""
+
+
+class _KeyCheck:
+    """Refuse (401) a request to a guarded route without the key, before reading its body."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app = app
+        self.key = key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.key):
+                refusal = ApiError(401, "missing or wrong API key: send Authorization: Bearer KEY")
+                await error_response(refusal)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class _BodyLimit:
@@ -167,8 +183,7 @@ class _BodyLimit:
         size = 0
         while True:
             message = await receive()
-            if message["type"] != "http.request":
-                await self.app(scope, _replay([], message, receive), send)
+            if message["type"] != "http.request":  # the client left (or timed out) mid-body
                 return
             chunk = message.get("body", b"")
             size += len(chunk)
@@ -179,16 +194,16 @@ class _BodyLimit:
             if not message.get("more_body", False):
                 break
         first: Message = {"type": "http.request", "body": b"".join(body), "more_body": False}
-        await self.app(scope, _replay([first], None, receive), send)
+        await self.app(scope, _replay(first, receive), send)
 
 
-def _replay(messages: list[Message], last: Message | None, receive: Receive) -> Receive:
-    """A ``receive`` that gives ``messages`` (and ``last``) first, then the connection's."""
-    queued = [*messages, *([last] if last is not None else [])]
+def _replay(first: Message, receive: Receive) -> Receive:
+    """A ``receive`` that gives ``first`` (the whole body), then the connection's messages."""
+    queued = [first]
 
     async def replayed() -> Message:
         if queued:
-            return queued.pop(0)
+            return queued.pop()
         return await receive()
 
     return replayed

@@ -49,6 +49,7 @@ async def create_chat_completion(
     context.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
+    context.check_choices(1, body.n)
     messages = [{"role": m.role, "content": m.text} for m in body.messages]
     prompt = await context.encode_chat(messages)
     max_tokens = body.max_completion_tokens or body.max_tokens or context.default_max_tokens(prompt)

@@ -8,6 +8,8 @@ Invariants:
 - ``usage`` counts each prompt's tokens once and every generated token (``completion_tokens``),
   whatever the text shows.
 - ``echo`` prefixes each choice's text with its prompt's text (decoded, for token ids).
+- Everything that does not need the prompts' tokens (the model, the count of choices, the
+  sampling fields) is checked before any prompt is encoded.
 """
 
 from __future__ import annotations
@@ -42,19 +44,28 @@ DEFAULT_MAX_TOKENS = 16
 Prompt = str | list[int] | list[str] | list[list[int]]
 
 
-async def _prompts(context: ServerContext, prompt: Prompt) -> tuple[list[list[int]], list[str]]:
-    """Each prompt's token ids and text."""
+def _items(prompt: Prompt) -> list[Any]:
+    """The prompts of ``prompt``: itself for one (a text or token ids), else its items."""
     single = isinstance(prompt, str) or isinstance(prompt[0], int)
-    items: list[Any] = [prompt] if single else list(prompt)
+    return [prompt] if single else list(prompt)
+
+
+async def _prompts(
+    context: ServerContext, items: list[Any], max_tokens: int, echo: bool
+) -> tuple[list[list[int]], list[str]]:
+    """Each prompt's token ids, checked against the model, and (for ``echo``) its text."""
     ids, texts = [], []
     for item in items:
         if isinstance(item, str):
-            ids.append(await context.encode(item, "prompt"))
-            texts.append(item)
+            prompt = await context.encode(item, "prompt")
+            context.check_length(prompt, max_tokens, "prompt")
         else:
-            context.check_ids(item, "prompt")
-            ids.append(list(item))
-            texts.append(context.decode(item))
+            prompt = item
+            context.check_length(prompt, max_tokens, "prompt")  # before reading each id
+            context.check_ids(prompt, "prompt")
+        ids.append(prompt)
+        if echo:
+            texts.append(item if isinstance(item, str) else await context.decode_off_loop(item))
     return ids, texts
 
 
@@ -64,12 +75,12 @@ async def create_completion(
     context.check_model(body.model)
     if body.echo and body.logprobs is not None:
         raise unsupported("echo", "echo with logprobs (the prompt's logprobs) is not supported")
-    prompts, texts = await _prompts(context, body.prompt)
+    items = _items(body.prompt)
+    context.check_choices(len(items), body.n)
     max_tokens = body.max_tokens or DEFAULT_MAX_TOKENS
-    for prompt in prompts:
-        context.check_length(prompt, max_tokens, "prompt")
     context.check_ids(body.stop_token_ids or (), "stop_token_ids")
     params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
+    prompts, texts = await _prompts(context, items, max_tokens, body.echo)  # all else is valid
     generation = Generation(context, prompts, params)
     await generation.start()
     reply = _Reply(context, body, texts, sum(map(len, prompts)))

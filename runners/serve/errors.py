@@ -5,9 +5,13 @@ Invariants:
 - Whatever a client sends that the server refuses is a 4xx naming the field (``param``): schema
   violations (400, from pydantic's first errors), fields the server does not implement (400),
   values the engine refuses (400, ``InvalidRequestError``), unknown models and routes (404), a
-  wrong method (405), a missing or wrong key (401), a body over the limit (413), a full queue
-  (503 with ``Retry-After``). Only the server's own failures are 5xx.
-- Messages are one line, and never echo more than a short excerpt of what was sent.
+  wrong method (405), a missing or wrong key (401), a body over the limit (413), a request
+  that did not arrive within the request timeout (408, ``connections``), a full queue (503 with
+  ``Retry-After``: only for a request that fits once others finish). Only the server's own
+  failures are 5xx, and they too are error objects (never Starlette's plain-text 500).
+- ``param`` is the full dotted path of the field (``messages.0.role``, ``stop``); messages are
+  one line, valid UTF-8 (a lone surrogate is written as its ``\\u`` escape), and never echo
+  more than a short excerpt of what was sent (a path, a model name, a value).
 """
 
 from __future__ import annotations
@@ -24,13 +28,21 @@ from runners.engine import InvalidRequestError
 from runners.serve.engine_loop import EngineDeadError
 from runners.serve.responses import ErrorInfo, ErrorResponse
 
-__all__ = ["ApiError", "error_response", "install_error_handlers", "unsupported"]
+__all__ = [
+    "ApiError",
+    "error_body",
+    "error_response",
+    "excerpt",
+    "install_error_handlers",
+    "unsupported",
+]
 
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     413: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
@@ -50,13 +62,23 @@ class ApiError(Exception):
     ) -> None:
         super().__init__(message)
         self.status = status
-        self.message = " ".join(message.split())
-        self.param = param
+        self.message = _printable(" ".join(message.split()))
+        self.param = None if param is None else _printable(param)
         self.headers = dict(headers or {})
+
+
+def _printable(text: str) -> str:
+    """``text`` as valid UTF-8: each lone surrogate written as its escape (``\\udfff``)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def unsupported(field: str, why: str) -> ApiError:
     return ApiError(400, f"{field}: {why}", param=field)
+
+
+def error_body(error: ApiError) -> bytes:
+    """The JSON bytes of ``error``'s object (for a response written below the app)."""
+    return bytes(error_response(error).body)
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -78,9 +100,10 @@ def _field(location: Sequence[Any]) -> str | None:
     return ".".join(parts) or None
 
 
-def _excerpt(value: Any) -> str:
+def excerpt(value: Any, limit: int = 40) -> str:
+    """``repr(value)``, cut to ``limit`` characters."""
     text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def validation_error(exc: RequestValidationError) -> ApiError:
@@ -101,11 +124,11 @@ def validation_error(exc: RequestValidationError) -> ApiError:
         return ApiError(400, f"{field}: field required", param=field)
     message = f"{field}: {first.get('msg', 'invalid value')}"
     if "input" in first and kind not in ("missing",):
-        message += f" (got {_excerpt(first['input'])})"
+        message += f" (got {excerpt(first['input'])})"
     more = len({_field(e.get("loc", ())) for e in errors}) - 1
     if more > 0:
         message += f"; and {more} more field{'s' if more > 1 else ''}"
-    return ApiError(400, message, param=field.split(".")[0] if field else None)
+    return ApiError(400, message, param=field)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -127,11 +150,18 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, HTTPException)
-        messages = {404: f"no route {request.url.path}", 405: "method not allowed"}
+        path = excerpt(request.url.path, 80)
+        messages = {404: f"no route {path}", 405: "method not allowed"}
         message = messages.get(exc.status_code, str(exc.detail))
         return error_response(ApiError(exc.status_code, message, headers=exc.headers))
 
+    async def failed(request: Request, exc: Exception) -> JSONResponse:
+        """The server's own bug: an error object, not a plain-text page (the traceback still
+        goes to stderr, as uvicorn logs it)."""
+        return error_response(ApiError(500, f"internal error: {type(exc).__name__}"))
+
     app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(Exception, failed)
     app.add_exception_handler(RequestValidationError, invalid)
     app.add_exception_handler(InvalidRequestError, refused)
     app.add_exception_handler(EngineDeadError, dead)

@@ -27,6 +27,7 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from runners.serve.connections import guarded_protocol
 from runners.serve.engine_loop import SHUTTING_DOWN, EngineLoop
 
 __all__ = ["bind", "serve"]
@@ -97,17 +98,22 @@ def serve(
     *,
     grace_s: float,
     on_ready: Callable[[], None],
+    request_timeout_s: float,
+    keep_alive_s: float,
     log_level: str = "warning",
 ) -> str | None:
     """Serve ``app`` on ``sock`` with ``engine_loop`` until a signal or the engine's failure;
-    return the failure's reason (None after a signal)."""
+    return the failure's reason (None after a signal). Each connection keeps the clock of
+    ``connections``: ``request_timeout_s`` for a request to arrive whole, ``keep_alive_s`` idle
+    before it is closed."""
     config = uvicorn.Config(
         app,
+        http=guarded_protocol(request_timeout_s),
         lifespan="off",
         access_log=False,
         log_level=log_level,
         timeout_graceful_shutdown=grace_s + _CANCEL_AFTER_S,  # type: ignore[arg-type]  # a float
-        timeout_keep_alive=5,
+        timeout_keep_alive=keep_alive_s,  # type: ignore[arg-type]  # a float
     )
     server = _Server(config, engine_loop, grace_s)
     failure: list[str] = []

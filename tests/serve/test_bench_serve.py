@@ -37,7 +37,7 @@ def test_against_dsv4_serve_every_request_completes_with_the_reported_tokens(
     )
     assert code == 0 and (report["completed"], report["failed"]) == (6, 0)
     assert report["mean_output_tokens"] == 12  # ignore_eos: every reply is output-len long
-    with httpx.Client(base_url=server.url) as http:
+    with server.client(KEY) as http:
         counts = [
             http.post("/tokenize", json={"model": model_name, "prompt": p}).json()["count"]
             for p in make_prompts(6, 20, seed=0)

@@ -60,7 +60,7 @@ def test_chat_renders_the_template_and_streams_the_same_content(
     client: OpenAI, server: ServerProcess, model_name: str, checkpoint: Path
 ) -> None:
     messages: Any = [{"role": "user", "content": PROMPTS[1]}]
-    with server.client() as http:
+    with server.client(KEY) as http:
         tokens = http.post("/tokenize", json={"model": model_name, "messages": messages}).json()
     tokenizer = CheckpointTokenizer.from_directory(checkpoint)
     assert tokenizer is not None
@@ -244,7 +244,7 @@ def test_logprobs_rank_the_sampled_token_first_when_greedy(
 def test_models_and_detokenize(server: ServerProcess, model_name: str, client: OpenAI) -> None:
     (card,) = client.models.list().data
     assert card.id == model_name and card.model_extra == {"max_model_len": 128}
-    with server.client() as http:
+    with server.client(KEY) as http:
         tokens = http.post("/tokenize", json={"model": model_name, "prompt": "héllo"}).json()
         assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 128
         text = http.post("/detokenize", json={"model": model_name, "tokens": tokens["tokens"]})
