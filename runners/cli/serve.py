@@ -11,7 +11,9 @@ POST /tokenize, POST /detokenize, GET /metrics (Prometheus), GET /openapi.json (
 The model is loaded and its graphs captured before the server accepts a connection; the line
 "dsv4 serve: serving MODEL on http://HOST:PORT" on stderr says it is ready. SIGTERM or Ctrl-C
 lets requests in flight finish (up to --shutdown-grace seconds) and exits 0; if the engine
-fails (a rank dies), the server exits 1 with one line saying why.
+fails (a rank dies), the server exits 1 with one line saying why. A request must arrive whole
+within --request-timeout seconds (408 otherwise); what any request can cost is bounded before it
+runs (docs/serving.md, "One client cannot stall the others").
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-key",
         default=None,
         metavar="KEY",
-        help=f"require Authorization: Bearer KEY on /v1 routes (default: ${API_KEY_ENV})",
+        help=f"require Authorization: Bearer KEY on every route but /health and /metrics "
+        f"(default: ${API_KEY_ENV})",
     )
     group.add_argument(
         "--max-queued-requests",

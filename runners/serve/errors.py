@@ -116,10 +116,19 @@ def validation_error(exc: RequestValidationError) -> ApiError:
         detail = first.get("ctx", {}).get("error", "")
         return ApiError(400, f"the request body is not valid JSON: {detail}")
     field = _field(location)
+    if kind == "string_unicode":  # a lone surrogate in a value, or (no location) in a key
+        got = excerpt(first.get("input"))
+        if field is None:
+            return ApiError(400, f"the key {got} is not valid Unicode (a lone surrogate)")
+        return ApiError(
+            400, f"{field}: is not valid Unicode: a lone surrogate in {got}", param=field
+        )
     if location in (("body",), ()):
         return ApiError(400, f"the request body must be a JSON object: {first.get('msg', '')}")
     if kind == "extra_forbidden":
-        return unsupported(field or "?", "this field is not supported by this server")
+        if field is None or not str(location[-1]).isidentifier():  # a key no model has
+            return ApiError(400, f"the field {excerpt(location[-1])} is not supported")
+        return unsupported(field, "this field is not supported by this server")
     if kind == "missing":
         return ApiError(400, f"{field}: field required", param=field)
     message = f"{field}: {first.get('msg', 'invalid value')}"

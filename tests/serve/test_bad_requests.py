@@ -108,6 +108,11 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("unknown model", COMPLETIONS, dict(completion(), model="gpt-4"), 404, "model"),
     ("unknown model in chat", CHAT, dict(chat(), model="x" * 5000), 404, "model"),
     ("tokenize: neither field", "/tokenize", {"model": MODEL}, 400, "prompt"),
+    # requests that can never fit the server's 16 rows + 256 queued choices: a 400, not a 503
+    # with Retry-After (which the openai client retries for ever)
+    ("never fits: 5,000 prompts", COMPLETIONS, completion(prompt=["a"] * 5000), 400, "prompt"),
+    ("never fits: 2,000 prompts", COMPLETIONS, completion(prompt=[[1]] * 2000), 400, "prompt"),
+    ("never fits: n 16 x 20 prompts", COMPLETIONS, completion(prompt=["a"] * 20, n=16), 400, "n"),
     (
         "detokenize: past vocabulary",
         "/detokenize",
@@ -175,6 +180,57 @@ def test_a_body_that_is_not_a_valid_json_object_is_a_400(
     assert error["param"] == param
 
 
+LONE = "\\udfff"
+"""A JSON escape that decodes to a lone surrogate: no tokenizer, template or reply can encode
+it (the issue saw a plain-text 500 for it in chat content and ``/tokenize``)."""
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (CHAT, {"messages": [{"role": "user", "content": f"a{LONE}b"}]}, "messages.0.content"),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": LONE}]}]},
+            "messages.0.content.0.text",
+        ),
+        (CHAT, {"messages": [{"role": "user", "content": "a", "name": LONE}]}, "messages.0.name"),
+        ("/tokenize", {"prompt": LONE}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "user", "content": LONE}]}, "messages.0.content"),
+        (COMPLETIONS, {"prompt": LONE}, "prompt"),
+        (COMPLETIONS, {"prompt": ["a", LONE]}, "prompt.1"),
+        (COMPLETIONS, {"prompt": "a", "stop": [LONE]}, "stop.0"),
+        (COMPLETIONS, {"prompt": "a", "user": LONE}, "user"),
+        (COMPLETIONS, {"prompt": "a", LONE: 1}, None),
+    ],
+)
+def test_a_lone_surrogate_anywhere_is_a_400_error_object(
+    http: httpx.Client, model_name: str, path: str, body: dict[str, Any], param: str | None
+) -> None:
+    raw = json.dumps({"model": model_name, **body}).replace("\\\\udfff", "\\udfff")
+    assert "\\udfff" in raw and "\\\\" not in raw
+    headers = {"Content-Type": "application/json"}
+    error = _error(http.post(path, content=raw.encode(), headers=headers), 400)
+    assert error["param"] == param
+    assert "\\udfff" in error["message"]  # named, as its escape
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        (completion(stop=["x"] * 5000), "stop: List should have at most 16 items"),
+        (completion(prompt=["a"] * 5000), "prompt: List should have at most 2048 items"),
+        (completion(prompt=["a"] * 20, n=16), "20 prompts x n 16 = 320 choices"),
+        (completion(prompt={"text": "a"}), "should be a string, a list of token ids, or a list"),
+    ],
+)
+def test_one_message_per_bound(
+    http: httpx.Client, model_name: str, body: dict[str, Any], says: str
+) -> None:
+    error = _error(http.post(COMPLETIONS, json=dict(body, model=model_name)), 400)
+    assert says in error["message"] and "more field" not in error["message"], error
+
+
 def test_keys_body_size_routes_and_methods(server: ServerProcess, model_name: str) -> None:
     body = dict(completion(), model=model_name)
     with server.client() as anonymous:
@@ -182,6 +238,8 @@ def test_keys_body_size_routes_and_methods(server: ServerProcess, model_name: st
         wrong = {"Authorization": "Bearer not-the-key"}
         _error(anonymous.post(COMPLETIONS, json=body, headers=wrong), 401)
         _error(anonymous.get("/v1/models", headers={"Authorization": KEY}), 401)
+        for route in ("/tokenize", "/detokenize"):  # guarded too: they encode and decode
+            _error(anonymous.post(route, json={"model": model_name, "prompt": "a"}), 401)
         assert anonymous.get("/health").status_code == 200  # open, as in vLLM
         assert anonymous.get("/metrics").status_code == 200
     with server.client(KEY) as http:
@@ -190,6 +248,8 @@ def test_keys_body_size_routes_and_methods(server: ServerProcess, model_name: st
         chunked = http.post(COMPLETIONS, content=iter([b"{" + b" " * 40_000] * 2))
         _error(chunked, 413)
         assert _error(http.get("/v1/nothing"), 404)["type"] == "not_found_error"
+        long_path = _error(http.get("/v1/" + "x" * 8000), 404)["message"]
+        assert len(long_path) < 120 and long_path.endswith("..."), long_path
         _error(http.get(COMPLETIONS), 405)
 
 
