@@ -97,8 +97,9 @@ class GuardedProtocol(H11Protocol):
         sock = self.transport.get_extra_info("socket")
         if sock is None:
             return False
-        readable, _, _ = select.select([sock.fileno()], [], [], 0)
-        return bool(readable)
+        poller = select.poll()  # not select(): a server may hold more than 1,024 descriptors
+        poller.register(sock.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
 
     def _timed_out(self) -> None:
         self._request_timer = None
