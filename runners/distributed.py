@@ -23,6 +23,9 @@ Invariants of ``run_local``:
 - No worker outlives the call: each is joined, or killed and joined.
 - Collectives give up after ``COLLECTIVE_TIMEOUT`` (the process group's timeout), so a rank
   whose peer vanished unnoticed cannot wait forever.
+
+Invariant of ``process_group``: the group it joins is freed when the block ends, so its worker
+threads are joined there, not left to the interpreter's exit (``BINDS_THE_GROUP_AT_IMPORT``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
+import importlib
 import multiprocessing
 import os
 import pickle
@@ -37,6 +42,7 @@ import queue
 import socket
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -55,8 +61,10 @@ from platforms.host_tensors import HostTensors
 from runners.errors import DeviceCountError
 
 __all__ = [
+    "BINDS_THE_GROUP_AT_IMPORT",
     "COLLECTIVE_TIMEOUT",
     "GRACE_S",
+    "GroupOutlivedError",
     "RankFailedError",
     "World",
     "cause_of",
@@ -158,13 +166,37 @@ def torchrun_world() -> World | None:
     )
 
 
+BINDS_THE_GROUP_AT_IMPORT = ("torch.distributed.nn.functional",)
+"""torch modules that bind the default process group when they are imported: each collective of
+``torch.distributed.nn.functional`` takes ``group=group.WORLD`` as a default, evaluated once, at
+import. Imported lazily (building a model on the meta device imports ``torch._dynamo``, which
+imports FSDP, which imports it) while a group exists, they hold that group for the life of the
+process; ``destroy_process_group`` cannot free it, and its gloo worker threads meet the
+interpreter's exit, where one still releasing a finished collective's tensors waits for the
+GIL, is made to exit instead, and aborts the process ('terminate called without an active
+exception', SIGABRT; seen under ``torchrun``, whose ranks exit through the interpreter's exit,
+in about 1 of 6 two-node runs). ``process_group`` imports them before the group exists, so they
+bind ``None``."""
+
+
+class GroupOutlivedError(RuntimeError):
+    """The default process group was still referenced after ``destroy_process_group``."""
+
+
 @contextlib.contextmanager
 def process_group(world: World, backend: str) -> Iterator[None]:
     """Join ``world``'s default process group on ``backend`` and share one sampling seed (rank
     0's) with every rank; leave the group on exit. Under ``nccl`` each rank first takes the GPU
     of its local rank (NCCL needs one device per rank; the platform's ``cuda`` device is then
     that one). Under ``DEVICE_ONLY_GLOO`` the body runs under the rank's ``HostTensors``, which
-    the group asks where each tensor would live on the GPU."""
+    the group asks where each tensor would live on the GPU.
+
+    Leaving frees the group, which joins its worker threads there and then: the modules of
+    ``BINDS_THE_GROUP_AT_IMPORT`` are imported before it exists, and a body that ran to its
+    end and left something else holding the group raises ``GroupOutlivedError`` (a loud,
+    deterministic failure instead of an abort at the interpreter's exit, now and then)."""
+    for name in BINDS_THE_GROUP_AT_IMPORT:
+        importlib.import_module(name)
     host = HostTensors()
     if backend == "nccl":
         torch.cuda.set_device(world.local_rank)
@@ -178,6 +210,8 @@ def process_group(world: World, backend: str) -> Iterator[None]:
             world_size=world.size,
             timeout=COLLECTIVE_TIMEOUT,
         )
+        group = weakref.ref(dist.group.WORLD)
+        finished = False
         try:
             seed = torch.tensor(
                 [torch.seed() % 2**62 if world.rank == 0 else 0],
@@ -187,8 +221,26 @@ def process_group(world: World, backend: str) -> Iterator[None]:
             dist.broadcast(seed, src=0)
             torch.manual_seed(int(seed.item()))
             yield
+            finished = True
         finally:
             dist.destroy_process_group()
+            _check_freed(group, raising=finished)
+
+
+def _check_freed(group: weakref.ref[Any], *, raising: bool) -> None:
+    """After ``destroy_process_group``: free the group now if only a reference cycle holds it;
+    if anything else does, raise ``GroupOutlivedError`` (when ``raising``: never over the
+    body's own error)."""
+    if group() is None:
+        return
+    gc.collect()
+    if group() is not None and raising:
+        raise GroupOutlivedError(
+            "the default process group is still referenced after destroy_process_group, so its "
+            "worker threads would outlive it into the interpreter's exit and may abort it; a "
+            "module that binds the group at import belongs in BINDS_THE_GROUP_AT_IMPORT, "
+            "anything else should name the default group as None"
+        )
 
 
 def execute_ranked(

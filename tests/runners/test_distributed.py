@@ -9,6 +9,8 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +20,13 @@ import torch
 import torch.distributed as dist
 
 from dsv4.parallel import TensorParallel
-from runners.distributed import RankFailedError, local_worlds, process_group, run_local
+from runners.distributed import (
+    GroupOutlivedError,
+    RankFailedError,
+    local_worlds,
+    process_group,
+    run_local,
+)
 
 
 def _sum_of_ranks(args: argparse.Namespace) -> dict[str, Any]:
@@ -111,3 +119,43 @@ def test_leaving_the_group_joins_its_threads_while_the_model_keeps_its_parallel_
         assert _threads() > before  # the group's own threads
     assert _threads() == before
     assert parallel.size == 1
+
+
+_IMPORTS_INSIDE_THE_GROUP = """
+import os, sys, torch.distributed as dist
+assert "torch.distributed.nn.functional" not in sys.modules
+from runners.distributed import local_worlds, process_group
+before = len(os.listdir("/proc/self/task"))
+with process_group(local_worlds(1)[0], "gloo"):
+    import torch.distributed.nn.functional  # what building a model on the meta device does
+    dist.barrier()
+print(len(os.listdir("/proc/self/task")) - before)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_a_module_that_binds_the_group_at_import_cannot_hold_it_past_leaving() -> None:
+    """In a fresh interpreter (where nothing imported it yet) the body imports
+    ``torch.distributed.nn.functional``, whose collectives bind the default group at import:
+    leaving still frees the group and joins its threads, and the process exits cleanly."""
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORTS_INSIDE_THE_GROUP],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0"
+
+
+def test_a_body_that_keeps_the_group_fails_loudly_on_leaving() -> None:
+    """Anything else that holds the default group past ``destroy_process_group`` is an error
+    raised on leaving (not an abort at the interpreter's exit, now and then)."""
+    kept: list[object] = []
+    with (
+        pytest.raises(GroupOutlivedError, match="still referenced"),
+        process_group(local_worlds(1)[0], "gloo"),
+    ):
+        kept.append(dist.group.WORLD)
+    kept.clear()
