@@ -51,7 +51,15 @@ from dsv4.cache import LayerCache, PagedKVCaches, entry_stride
 from dsv4.compressor import Compressor
 from dsv4.config import CSA, SLIDING, DeepseekV4Config
 from dsv4.indexer import Indexer
-from dsv4.layers import GroupedLinear, Linear, RMSNorm, as_dtype, read_rows, rms_normalize
+from dsv4.layers import (
+    NARROW_DTYPES,
+    GroupedLinear,
+    Linear,
+    RMSNorm,
+    as_dtype,
+    read_rows,
+    rms_normalize,
+)
 from dsv4.metadata import AttentionMetadata
 from dsv4.native_ops import ATTEND_INTO, native_takes
 from dsv4.paging import EntryPages, Window, request_blocks, sink_rows, write_rows
@@ -333,6 +341,12 @@ class DeepseekV4Attention(nn.Module):
         if attend_takes(out, queries, self.sinks, *parts):
             ATTEND_INTO(out, queries, *parts, self.sinks, self.scaling)
             return
+        widened = _widened(queries, parts)
+        if widened is not None and attend_takes(widened[0], widened[0], self.sinks, *widened[1]):
+            wide_out = torch.empty_like(widened[0])
+            ATTEND_INTO(wide_out, widened[0], *widened[1], self.sinks, self.scaling)
+            out.copy_(wide_out)
+            return
         keys = read_rows(cache.kv, key_rows)
         if entry_table is not None and entry_rows is not None and entry_visible is not None:
             # an entry a query cannot see weighs nothing, but its row may hold anything (a
@@ -347,6 +361,54 @@ class DeepseekV4Attention(nn.Module):
         logits = torch.cat((as_dtype(logits, torch.float32), sinks), dim=-1)
         probs = as_dtype(logits.softmax(dim=-1)[..., :-1], keys.dtype)
         torch.bmm(probs, keys, out=out)
+
+
+_Parts = tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor | None,
+    torch.Tensor | None,
+    torch.Tensor | None,
+]
+"""The attention core's key arguments: the window's table, rows and seen, the entries' ones."""
+
+
+def _widened(queries: torch.Tensor, parts: _Parts) -> tuple[torch.Tensor, _Parts] | None:
+    """The native attention's arguments for narrow (``NARROW_DTYPES``) queries and tables, on
+    one CPU thread: the queries and each token's keys and entries (gathered, an unseen one
+    zeroed) widened to float32, exactly, with rows that read them in order. The kernel then
+    computes in float32 in its fixed order (the same bits on every instruction set, where
+    ATen's narrow products and softmax do not) and the caller rounds its output once; else
+    ``None``."""
+    keys, key_rows, key_seen, entries, entry_rows, entry_seen = parts
+    narrow = queries.dtype in NARROW_DTYPES and keys.dtype == queries.dtype
+    if not (narrow and queries.device.type == "cpu" and torch.get_num_threads() == 1):
+        return None
+    if not native_takes():
+        return None
+    wide_keys, wide_key_rows = _gathered_in_order(keys, key_rows, key_seen)
+    if entries is None or entry_rows is None or entry_seen is None:
+        return queries.float(), (wide_keys, wide_key_rows, key_seen, None, None, None)
+    wide_entries, wide_entry_rows = _gathered_in_order(entries, entry_rows, entry_seen)
+    return queries.float(), (
+        wide_keys,
+        wide_key_rows,
+        key_seen,
+        wide_entries,
+        wide_entry_rows,
+        entry_seen,
+    )
+
+
+def _gathered_in_order(
+    table: torch.Tensor, rows: torch.Tensor, seen: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``table``'s ``rows`` (an unseen one zeroed) as a float32 table, and the rows reading it
+    in order."""
+    gathered = torch.where(seen.unsqueeze(-1), read_rows(table, rows), 0.0)
+    order = torch.arange(rows.numel(), device=rows.device).view(rows.shape)
+    return gathered.view(-1, table.shape[-1]).float(), order
 
 
 def attend_takes(

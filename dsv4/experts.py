@@ -120,8 +120,11 @@ class ExpertFormulations(nn.Module):
         if self._in_place(x):
             stacks = self._resident_stacks(experts.reshape(-1))
             panels = self._routed_panels(stacks)
-            if routed_takes(x, experts, *panels):
-                return routed(x, experts, weights, *panels, self.limit)
+            # a narrow x on the float32 copies: widened exactly, the sums in float32, the
+            # weighted sum rounded once (``dsv4.panels.PACKED_DTYPES``)
+            wide = as_dtype(x, torch.float32)
+            if routed_takes(wide, experts, *panels):
+                return as_dtype(routed(wide, experts, weights, *panels, self.limit), x.dtype)
             out = self._slot_outputs(x, experts, stacks)
         else:
             out = self._slot_outputs(x, experts)

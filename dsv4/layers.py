@@ -27,6 +27,7 @@ from dsv4.panels import PanelCopy
 
 __all__ = [
     "BLOCK_ROWS",
+    "NARROW_DTYPES",
     "SKINNY_ROWS",
     "GroupedLinear",
     "Linear",
@@ -55,6 +56,13 @@ instruction set (a baseline x86-64 CPU's MKL differs from an AVX2 one's in the l
 panels' never do. Measured, one thread, 512 x 512 in cache, 16 rows: the kernel 81 us, 100
 GFLOP/s, MKL's ``mm`` 131 us; level with MKL at 64 rows; prefill of 2,000 tokens of ``small``
 1.53 s against MKL's 1.56 s."""
+
+
+NARROW_DTYPES = (torch.bfloat16, torch.float16)
+"""Dtypes whose products on one CPU thread run, at any row count, on their weight's float32
+copy in panels (``dsv4.panels.PACKED_DTYPES``: exact products, one fixed order of sums, rounded
+once): ATen's own narrow products add in an order that depends on the instruction set (oneDNN's
+with AVX-512 BF16, ATen's vectorized kernels below it)."""
 
 
 def _in_panel_rows(x: torch.Tensor, row_width: int) -> bool:
@@ -99,11 +107,32 @@ def _panels_for(
     module: nn.Module, copy: PanelCopy, weight: torch.Tensor, x: torch.Tensor, row_width: int
 ) -> torch.Tensor | None:
     """``module``'s ``copy`` of ``weight`` in panels where ``x`` (rows of ``row_width``) is one
-    native product on it: more than ``SKINNY_ROWS`` contiguous
-    float32 rows on one thread, the copy holding the weight's values; else ``None``."""
-    if not (_in_panel_rows(x, row_width) and native_takes(x)):
-        return None
-    return copy.get(module, weight)
+    native product on it, on one thread, the copy holding the weight's values: more than
+    ``SKINNY_ROWS`` contiguous float32 rows, or any rows of a narrow dtype (``NARROW_DTYPES``)
+    on a weight of that dtype; else ``None``."""
+    if x.dtype in NARROW_DTYPES:
+        rows = x.numel() // row_width if row_width else 0
+        takes = (
+            rows > 0
+            and weight.dtype == x.dtype
+            and torch.get_num_threads() == 1
+            and x.device.type == "cpu"
+            and native_takes()  # the kernels were built, autograd is not recording
+        )
+    else:
+        takes = _in_panel_rows(x, row_width) and native_takes(x)
+    return copy.get(module, weight) if takes else None
+
+
+def _on_panels(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x @ weight.T`` on the weight's float32 ``panels``, one native op: a narrow ``x`` is
+    widened first (exactly) and the float32 sums rounded to its dtype once, as a narrow product
+    rounds them; the sums are the panels' fixed order, so the same bits on every instruction
+    set."""
+    wide = as_dtype(x, torch.float32).contiguous()
+    out = wide.new_empty(*x.shape[:-1], out_features)
+    LINEAR_PANELS_INTO(out, wide, panels)
+    return as_dtype(out, x.dtype)
 
 
 def panel_product(
@@ -114,9 +143,7 @@ def panel_product(
     panels = _panels_for(module, copy, weight, x, weight.shape[-1])
     if panels is None:
         return linear(x, weight)
-    out = x.new_empty(*x.shape[:-1], weight.shape[0])
-    LINEAR_PANELS_INTO(out, x, panels)
-    return out
+    return _on_panels(x, panels, weight.shape[0])
 
 
 class Linear(nn.Linear):
@@ -208,9 +235,7 @@ class GroupedLinear(nn.Module):
         if x.dim() > 1:
             panels = _panels_for(self, self._copy, self.weight, x, x.shape[-1] * x.shape[-2])
         if panels is not None:
-            out = x.new_empty(*x.shape[:-1], panels.shape[1] * panels.shape[3])
-            LINEAR_PANELS_INTO(out, x, panels)
-            return out
+            return _on_panels(x, panels, panels.shape[1] * panels.shape[3])
         w = self.weight.view(self.groups, -1, self.weight.shape[-1])
         if x.dim() > 1 and skinny(x, x.shape[-1] * x.shape[-2]) and native_takes(x, w):
             out = x.new_empty(*x.shape[:-1], w.shape[1])

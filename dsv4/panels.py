@@ -19,12 +19,27 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["PANEL", "PanelCopies", "PanelCopy", "in_panels", "pack_model", "panel_width"]
+__all__ = [
+    "PACKED_DTYPES",
+    "PANEL",
+    "PanelCopies",
+    "PanelCopy",
+    "in_panels",
+    "pack_model",
+    "panel_width",
+]
 
 PANEL = 64
 """Columns per panel (measured, one thread, 96 matrices of 512 x 512 read from memory, four
 rows: 29 GB/s in panels of 64 columns, the read bandwidth a plain sum reaches, against 9-11 GB/s
 for every order that reads 64 columns of a whole matrix laid out columns first)."""
+
+
+PACKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Weight dtypes kept in panels, always as float32: a product of two bfloat16 (or two float16)
+values is exact in float32 (8 + 8 or 11 + 11 significant bits, within 24), so the float32
+kernels on widened rows add exactly the terms a narrow product adds, in one fixed order on every
+instruction set, and the result is rounded to the narrow dtype once (``dsv4.layers``)."""
 
 
 def panel_width(columns: int) -> int | None:
@@ -50,9 +65,9 @@ def in_panels(stack: torch.Tensor, panel: int | None = None) -> torch.Tensor:
 
 
 class PanelCopy:
-    """A module's copy of one of its float32 CPU weights in panels, in the module's buffer
-    ``name`` (so that a graph may read it; never saved), with the weight it was packed from,
-    where that weight lived and its version counter when it was packed.
+    """A module's copy of one of its CPU weights (``PACKED_DTYPES``) in float32 panels, in the
+    module's buffer ``name`` (so that a graph may read it; never saved), with the weight it was
+    packed from, where that weight lived and its version counter when it was packed.
 
     The copy stands for the weight's memory, as a CUDA graph's captured read does: a weight
     written in place since is packed again *into the same buffer* (``refresh``, which the
@@ -80,14 +95,14 @@ class PanelCopy:
         panel = panel_width(stack.shape[1])
         if (
             panel is None
-            or stack.dtype != torch.float32
+            or stack.dtype not in PACKED_DTYPES
             or stack.device.type != "cpu"
             or source.is_inference()
         ):
             self.drop(module)
             return 0
         with torch.no_grad():
-            packed = in_panels(stack.detach(), panel)
+            packed = in_panels(stack.detach().float(), panel)
             held: torch.Tensor | None = getattr(module, self.name)
             if held is not None and held.shape == packed.shape and not held.is_inference():
                 held.copy_(packed)

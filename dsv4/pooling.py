@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from dsv4.cache import CompressorCache
-from dsv4.layers import Linear, RMSNorm, as_dtype, read_rows
+from dsv4.layers import NARROW_DTYPES, Linear, RMSNorm, as_dtype, read_rows
 from dsv4.metadata import AttentionMetadata
 from dsv4.native_ops import POOL_INTO, native_takes
 from dsv4.paging import EntryPages, Window, write_rows
@@ -147,6 +147,16 @@ class WindowPooler(nn.Module):
             pooled = kv_rows.new_empty(rows.shape[0], self.dim)
             masked = masked.contiguous() if masked is not None else None
             POOL_INTO(pooled, kv_rows, gate_rows, rows.contiguous(), masked)
+        elif _widens(kv_rows, gate_rows):  # narrow caches: the same op on float32 copies of
+            # the window's rows (exact), rounded once, where ATen's softmax and sums would
+            # depend on the instruction set
+            order = torch.arange(rows.numel(), device=rows.device).view(rows.shape)
+            kv_w = read_rows(kv_rows, rows).float().view(-1, self.dim)
+            gate_w = read_rows(gate_rows, rows).float().view(-1, self.dim)
+            wide = kv_w.new_empty(rows.shape[0], self.dim)
+            masked = masked.contiguous() if masked is not None else None
+            POOL_INTO(wide, kv_w, gate_w, order, masked)
+            pooled = as_dtype(wide, kv_rows.dtype)
         else:
             kv_w, gate_w = read_rows(kv_rows, rows), read_rows(gate_rows, rows)
             if masked is not None:
@@ -155,3 +165,16 @@ class WindowPooler(nn.Module):
             pooled = (kv_w * weights).sum(dim=1)
         entry = rope.rotate(self.kv_norm(pooled), entry_tables.last(self.dim))
         write_rows(cache.entries, plan.entry_rows, entry)
+
+
+def _widens(kv_rows: torch.Tensor, gate_rows: torch.Tensor) -> bool:
+    """Whether a narrow (``NARROW_DTYPES``) cache (its gates float32 or as narrow) pools
+    natively on float32 copies of its rows: one CPU thread, the kernels built, autograd not
+    recording."""
+    return (
+        kv_rows.dtype in NARROW_DTYPES
+        and gate_rows.dtype in (torch.float32, kv_rows.dtype)
+        and kv_rows.device.type == "cpu"
+        and torch.get_num_threads() == 1
+        and native_takes()
+    )

@@ -89,11 +89,7 @@ def test_every_logit_and_output_is_the_same_on_every_isa(
         assert run["ties"].keys() == widest["ties"].keys()
         for key, (tokens, logits) in run["ties"].items():
             assert tokens == widest["ties"][key][0], (run["isa"], key)
-            if key.startswith("torch.float32"):
-                assert torch.equal(logits, widest["ties"][key][1]), (run["isa"], key)
-            else:  # bf16 products are oneDNN's with AVX-512 BF16, ATen's own below it
-                close = torch.allclose(logits, widest["ties"][key][1], rtol=0.02, atol=0.02)
-                assert close, (run["isa"], key)
+            assert torch.equal(logits, widest["ties"][key][1]), (run["isa"], key)
         assert run["docs"] == widest["docs"], run["isa"]
 
 
