@@ -921,6 +921,29 @@ int64_t dsv4_routed_experts_f32(float *out, const float *x, const int64_t *exper
     return 0;
 }
 
+/* ---- Rounding to a narrow dtype ---- */
+
+/* The narrow dtype an operator on float32 copies of narrow tensors rounds its intermediate
+ * values to, at the points where the composite it replaces computes in that dtype: none
+ * (float32 throughout), bfloat16 or float16 (``dsv4.native_ops``'s ``rounding``). */
+enum { ROUND_NONE = 0, ROUND_BF16 = 1, ROUND_F16 = 2 };
+
+/* ``x`` rounded to ``rounding``'s dtype (to nearest, ties to even, as ATen converts; past the
+ * largest finite value to infinity; NaN stays NaN) and back to float32, which holds it exactly. */
+static inline float round_to(float x, int64_t rounding) {
+    if (rounding == ROUND_BF16) {
+        uint32_t bits;
+        memcpy(&bits, &x, sizeof bits);
+        if ((bits & 0x7fffffffu) > 0x7f800000u) return x;
+        bits += 0x7fffu + ((bits >> 16) & 1u);
+        bits &= 0xffff0000u;
+        memcpy(&x, &bits, sizeof bits);
+        return x;
+    }
+    if (rounding == ROUND_F16) return (float)(_Float16)x;
+    return x;
+}
+
 /* ---- Attention of decode-sized steps, keys read in place ---- */
 
 /* ``q . key`` over ``width`` values as 8 partial sums (column i into sum i mod 8, in column
@@ -942,17 +965,20 @@ static inline float dot8(const float *q, const float *key, int64_t width) {
  * ``count`` values. ``l_k = dot8(q, key_k) * scaling``;
  * ``p_k = exp(l_k - m) / (sum over seen j of exp(l_j - m) + exp(sink - m))``, ``m`` the largest
  * seen logit or the sink, exp as ``exp_scalar`` (16 at a time where the CPU has AVX-512), the
- * sum in key order; ``out = sum over seen k of p_k * key_k``, keys in order. */
+ * sum in key order; ``out = sum over seen k of p_k * key_k``, keys in order. Where the composite
+ * computes in a narrow dtype (``rounding``), the dot product, the scaled logit and ``p_k`` are
+ * each rounded to it, as the composite's narrow product, scaling and softmax output are. */
 static inline void attend_token_body(float *out, const float *queries,
                                      const float *const *keys, const uint8_t *seen,
                                      int64_t count, int64_t heads, int64_t width,
-                                     const float *sinks, float scaling, float *logits) {
+                                     const float *sinks, float scaling, int64_t rounding,
+                                     float *logits) {
     for (int64_t h = 0; h < heads; ++h) {
         const float *q = queries + h * width;
         float largest = sinks[h];
         for (int64_t k = 0; k < count; ++k) {
             if (!seen[k]) continue;
-            logits[k] = dot8(q, keys[k], width) * scaling;
+            logits[k] = round_to(round_to(dot8(q, keys[k], width), rounding) * scaling, rounding);
             largest = logits[k] > largest ? logits[k] : largest;
         }
         for (int64_t k = 0; k < count; ++k) logits[k] = seen[k] ? logits[k] - largest : -INFINITY;
@@ -965,7 +991,7 @@ static inline void attend_token_body(float *out, const float *queries,
         for (int64_t i = 0; i < width; ++i) dst[i] = 0.0f;
         for (int64_t k = 0; k < count; ++k) {
             if (!seen[k]) continue;
-            const float p = logits[k] / total, *key = keys[k];
+            const float p = round_to(logits[k] / total, rounding), *key = keys[k];
             for (int64_t i = 0; i < width; ++i) dst[i] += p * key[i];
         }
     }
@@ -974,8 +1000,8 @@ static inline void attend_token_body(float *out, const float *queries,
 TWO_ISAS(static, attend_token, attend_token_body,
          (float *out, const float *queries, const float *const *keys, const uint8_t *seen,
           int64_t count, int64_t heads, int64_t width, const float *sinks, float scaling,
-          float *logits),
-         (out, queries, keys, seen, count, heads, width, sinks, scaling, logits))
+          int64_t rounding, float *logits),
+         (out, queries, keys, seen, count, heads, width, sinks, scaling, rounding, logits))
 
 /* Attention of ``tokens`` queries (``tokens`` x ``heads`` x ``width``) over keys read in place
  * (``dsv4.attention``'s ``_attend_queries``): token t's keys are rows ``key_rows[t, j]`` of the
@@ -984,12 +1010,13 @@ TWO_ISAS(static, attend_token, attend_token_body,
  * token; none where ``entries`` is NULL), each taking part where its byte in ``key_seen`` /
  * ``entry_seen`` is set (a key the token may not see is left out, where the composite weighs it
  * by an exact zero). Everything is contiguous. Returns 0; -1 without scratch memory, -2 where a
- * seen row is outside its table (``out`` is then untouched). */
+ * seen row is outside its table (``out`` is then untouched). ``rounding`` as ``round_to``. */
 int64_t dsv4_attend_f32(float *out, const float *queries, const float *keys,
                         const int64_t *key_rows, const uint8_t *key_seen, const float *entries,
                         const int64_t *entry_rows, const uint8_t *entry_seen, const float *sinks,
                         int64_t tokens, int64_t heads, int64_t width, int64_t key_count,
-                        int64_t window, int64_t entry_count, int64_t per_entries, float scaling) {
+                        int64_t window, int64_t entry_count, int64_t per_entries, float scaling,
+                        int64_t rounding) {
     if (entries == NULL) per_entries = 0;
     for (int64_t s = 0; s < tokens * window; ++s)
         if (key_seen[s] && (key_rows[s] < 0 || key_rows[s] >= key_count)) return -2;
@@ -1016,7 +1043,7 @@ int64_t dsv4_attend_f32(float *out, const float *queries, const float *keys,
                 seen[window + j] ? entries + entry_rows[t * per_entries + j] * width : NULL;
         }
         attend_token(out + t * heads * width, queries + t * heads * width, pointers, seen, count,
-                     heads, width, sinks, scaling, logits);
+                     heads, width, sinks, scaling, rounding, logits);
     }
     free(pointers);
     free(logits);
@@ -1113,11 +1140,13 @@ TWO_ISAS(, dsv4_index_scores_f32, index_scores_body,
  * (exp as ``exp_scalar``; ``-inf`` at slots ``masked`` marks, a ``tokens`` x ``span`` byte mask, or none where NULL),
  * then the kv rows weighted by it and added, slots in order, into ``out`` (``tokens`` x
  * ``width``). A channel whose every slot is masked pools NaN, as the composite's softmax gives.
+ * Where the composite computes in a narrow dtype (``rounding``, as ``round_to``), each weight
+ * and each weighted row is rounded to it, as the composite's narrow weights and products are.
  * Returns 0; -1 without scratch memory, -2 where an index is outside the tables (``out`` is
  * then untouched). */
 int64_t dsv4_pool_f32(float *out, const float *kv, const float *gate, const int64_t *rows,
                       const uint8_t *masked, int64_t tokens, int64_t span, int64_t count,
-                      int64_t width) {
+                      int64_t width, int64_t rounding) {
     for (int64_t s = 0; s < tokens * span; ++s)
         if (rows[s] < 0 || rows[s] >= count) return -2;
     float *largest = malloc((size_t)(width > 0 ? width : 1) * (2 + span) * sizeof(float));
@@ -1148,7 +1177,8 @@ int64_t dsv4_pool_f32(float *out, const float *kv, const float *gate, const int6
         for (int64_t s = 0; s < span; ++s) {
             if (skip != NULL && skip[s]) continue;
             const float *e = exps + s * width, *v = kv + window[s] * width;
-            for (int64_t c = 0; c < width; ++c) dst[c] += v[c] * (e[c] / total[c]);
+            for (int64_t c = 0; c < width; ++c)
+                dst[c] += round_to(v[c] * round_to(e[c] / total[c], rounding), rounding);
         }
         for (int64_t c = 0; c < width; ++c)
             if (largest[c] == -INFINITY) dst[c] = NAN;

@@ -344,7 +344,7 @@ class DeepseekV4Attention(nn.Module):
         widened = _widened(queries, parts)
         if widened is not None and attend_takes(widened[0], widened[0], self.sinks, *widened[1]):
             wide_out = torch.empty_like(widened[0])
-            ATTEND_INTO(wide_out, widened[0], *widened[1], self.sinks, self.scaling)
+            ATTEND_INTO(wide_out, widened[0], *widened[1], self.sinks, self.scaling, queries.dtype)
             out.copy_(wide_out)
             return
         keys = read_rows(cache.kv, key_rows)
@@ -378,9 +378,10 @@ def _widened(queries: torch.Tensor, parts: _Parts) -> tuple[torch.Tensor, _Parts
     """The native attention's arguments for narrow (``NARROW_DTYPES``) queries and tables, on
     one CPU thread: the queries and each token's keys and entries (gathered, an unseen one
     zeroed) widened to float32, exactly, with rows that read them in order. The kernel then
-    computes in float32 in its fixed order (the same bits on every instruction set, where
-    ATen's narrow products and softmax do not) and the caller rounds its output once; else
-    ``None``."""
+    computes in its fixed order, rounding to the narrow dtype where the composite below rounds
+    (each logit before and after scaling, each weight), so it gives the same bits on every
+    instruction set, where ATen's narrow products and softmax do not; the caller rounds its
+    output once. Else ``None``."""
     keys, key_rows, key_seen, entries, entry_rows, entry_seen = parts
     narrow = queries.dtype in NARROW_DTYPES and keys.dtype == queries.dtype
     if not (narrow and queries.device.type == "cpu" and torch.get_num_threads() == 1):

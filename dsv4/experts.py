@@ -10,12 +10,14 @@ them, so the MoE captures on the CPU tape and in CUDA graphs.
 On a CPU, for float32, bfloat16 and float16 stacks that fit ``dense_chunk_bytes`` whole (a
 weight-only stack is dequantized into one, ``_resident_stacks``), the chosen experts' weights
 are read in place (``dsv4.expert_kernels``): **routed** (one native operator for the whole
-weighted sum, each chosen expert read once per block of four of its rows) for float32 steps of
-at most ``ROUTED_TOKENS`` tokens on one thread, else **bagged** (``embedding_bag``, each slot
-reading its expert) while a step has at most ``BAG_SLOTS_PER_EXPERT`` slots per expert,
-**grouped** (``torch._grouped_mm``, each chosen expert read once) above, where its row widths
-allow. On a GPU ``_grouped_mm`` reads its group offsets on the host outside bfloat16 on recent
-architectures, which no graph can capture, so elsewhere, as before:
+weighted sum, each chosen expert read once per block of four of its rows) for steps of at most
+``ROUTED_TOKENS`` tokens on one thread (float32, or bfloat16 and float16 widened on the stacks'
+float32 copies, the sum rounded once: ``dsv4.panels.PACKED_DTYPES``), else **bagged**
+(``embedding_bag``, each slot reading its expert) while a step has at most
+``BAG_SLOTS_PER_EXPERT`` slots per expert, **grouped** (``torch._grouped_mm``, each chosen
+expert read once) above, where its row widths allow. On a GPU ``_grouped_mm`` reads its group
+offsets on the host outside bfloat16 on recent architectures, which no graph can capture, so
+elsewhere, as before:
 - **every expert** (``E <= 2 * T * k``): every expert runs on every token, a bounded chunk of
   experts at a time (``DENSE_CHUNK_BYTES``), and the chosen outputs are gathered;
 - **gathered** (otherwise): each token runs on a copy of its chosen experts' weights.

@@ -6,6 +6,10 @@ one op (plus casts only where the dtype really changes): op count is what a step
 and on the CPU tape. On the CPU that op is ``dsv4::rms_norm_into``, one native kernel
 (``dsv4/_kernels.c``) where ATen's ``rms_norm`` runs six; elsewhere, where the kernels were not
 built, or where autograd records, it is ATen's ``rms_norm``.
+
+Products (``Linear``, ``GroupedLinear``) of a narrow model (``NARROW_DTYPES``) on one CPU thread
+run on their weight's float32 copy in panels at any row count: the rows widened exactly, summed
+in the kernel's one order, rounded once; the same bits on every instruction set.
 """
 
 from __future__ import annotations

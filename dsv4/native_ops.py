@@ -68,7 +68,8 @@ _LIBRARY.define(
 )
 _LIBRARY.define(
     "attend_into(Tensor(a!) out, Tensor queries, Tensor keys, Tensor key_rows, Tensor key_seen, "
-    "Tensor? entries, Tensor? entry_rows, Tensor? entry_seen, Tensor sinks, float scaling) -> ()"
+    "Tensor? entries, Tensor? entry_rows, Tensor? entry_seen, Tensor sinks, float scaling, "
+    "ScalarType? rounding=None) -> ()"
 )
 _LIBRARY.define(
     "route_into(Tensor(a!) experts, Tensor(b!) weights, Tensor(c!) scores, Tensor(d!) biased, "
@@ -79,7 +80,8 @@ _LIBRARY.define(
     "Tensor visible, float scale) -> ()"
 )
 _LIBRARY.define(
-    "pool_into(Tensor(a!) out, Tensor kv, Tensor gate, Tensor rows, Tensor? masked) -> ()"
+    "pool_into(Tensor(a!) out, Tensor kv, Tensor gate, Tensor rows, Tensor? masked, "
+    "ScalarType? rounding=None) -> ()"
 )
 _LIBRARY.define(
     "hc_pre_into(Tensor(a!) pre, Tensor(b!) post, Tensor(c!) bordered, Tensor(d!) collapsed, "
@@ -412,6 +414,21 @@ def _bind_routed_experts(
     )
 
 
+_ROUNDING_CODES: dict[torch.dtype | None, int] = {
+    None: 0,
+    torch.bfloat16: 1,
+    torch.float16: 2,
+}
+"""The kernels' ``rounding`` codes (``dsv4/_kernels.c``'s ``round_to``): the narrow dtype an
+operator on float32 copies rounds its intermediate values to where the composite it replaces
+computes in that dtype, or none."""
+
+
+def _rounding_code(rounding: torch.dtype | None, name: str) -> int:
+    _require(rounding in _ROUNDING_CODES, name, "rounding None, torch.bfloat16 or torch.float16")
+    return _ROUNDING_CODES[rounding]
+
+
 def _bind_attend(
     out: torch.Tensor,
     queries: torch.Tensor,
@@ -423,6 +440,7 @@ def _bind_attend(
     entry_seen: torch.Tensor | None,
     sinks: torch.Tensor,
     scaling: float,
+    rounding: torch.dtype | None = None,
 ) -> BoundCall:
     assert KERNELS is not None
     tokens, heads, width = queries.shape
@@ -464,6 +482,7 @@ def _bind_attend(
         entries.shape[0] if entries is not None else 0,
         per_entries,
         scaling,
+        _rounding_code(rounding, "attend_into"),
     )
 
 
@@ -558,6 +577,7 @@ def _bind_pool(
     gate: torch.Tensor,
     rows: torch.Tensor,
     masked: torch.Tensor | None,
+    rounding: torch.dtype | None = None,
 ) -> BoundCall:
     assert KERNELS is not None
     tokens, span = rows.shape
@@ -578,6 +598,7 @@ def _bind_pool(
         span,
         count,
         width,
+        _rounding_code(rounding, "pool_into"),
     )
 
 

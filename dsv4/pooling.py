@@ -148,14 +148,15 @@ class WindowPooler(nn.Module):
             masked = masked.contiguous() if masked is not None else None
             POOL_INTO(pooled, kv_rows, gate_rows, rows.contiguous(), masked)
         elif _widens(kv_rows, gate_rows):  # narrow caches: the same op on float32 copies of
-            # the window's rows (exact), rounded once, where ATen's softmax and sums would
-            # depend on the instruction set
+            # the window's rows (exact), rounding where the composite below rounds (each
+            # weight, each weighted row, the sum), where ATen's softmax and sums would depend
+            # on the instruction set
             order = torch.arange(rows.numel(), device=rows.device).view(rows.shape)
             kv_w = read_rows(kv_rows, rows).float().view(-1, self.dim)
             gate_w = read_rows(gate_rows, rows).float().view(-1, self.dim)
             wide = kv_w.new_empty(rows.shape[0], self.dim)
             masked = masked.contiguous() if masked is not None else None
-            POOL_INTO(wide, kv_w, gate_w, order, masked)
+            POOL_INTO(wide, kv_w, gate_w, order, masked, kv_rows.dtype)
             pooled = as_dtype(wide, kv_rows.dtype)
         else:
             kv_w, gate_w = read_rows(kv_rows, rows), read_rows(gate_rows, rows)

@@ -31,6 +31,7 @@ NOT_INPUT_ERRORS = {
     "runners.engine.errors.ExecutorError",
     "runners.engine.request.RequestFailedError",
     "runners.distributed.RankFailedError",
+    "runners.distributed.GroupOutlivedError",
     "runners.measure.hf_baseline.BaselineUnavailableError",
     "runners.measure.load_memory.LoadMemoryError",
     "runners.measure.serving_load.ServerUnreachableError",
