@@ -10,9 +10,10 @@ them, so the MoE captures on the CPU tape and in CUDA graphs.
 On a CPU, for float32, bfloat16 and float16 stacks that fit ``dense_chunk_bytes`` whole (a
 weight-only stack is dequantized into one, ``_resident_stacks``), the chosen experts' weights
 are read in place (``dsv4.expert_kernels``): **routed** (one native operator for the whole
-weighted sum, each chosen expert read once per block of four of its rows) for steps of at most
-``ROUTED_TOKENS`` tokens on one thread (float32, or bfloat16 and float16 widened on the stacks'
-float32 copies, the sum rounded once: ``dsv4.panels.PACKED_DTYPES``), else **bagged**
+weighted sum per ``ROUTED_TOKENS`` tokens, each chosen expert read once per block of four of
+its rows) on one thread (float32, or bfloat16 and float16 widened on the stacks' float32
+copies, the sum rounded once: ``dsv4.panels.PACKED_DTYPES``), whatever the step's length, else
+**bagged**
 (``embedding_bag``, each slot reading its expert) while a step has at most
 ``BAG_SLOTS_PER_EXPERT`` slots per expert, **grouped** (``torch._grouped_mm``, each chosen
 expert read once) above, where its row widths allow. On a GPU ``_grouped_mm`` reads its group
@@ -33,6 +34,7 @@ import torch
 from torch import nn
 
 from dsv4.expert_kernels import (
+    ROUTED_TOKENS,
     bagged,
     grouped,
     grouped_fits,
@@ -119,7 +121,8 @@ class ExpertFormulations(nn.Module):
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """``x [T, hidden]``, chosen ``experts [T, k]`` and their ``weights`` -> ``[T, hidden]``."""
-        if self._in_place(x):
+        # routed takes ROUTED_TOKENS tokens per call, so its activations are at most theirs
+        if self._in_place(x, min(x.shape[0], ROUTED_TOKENS)):
             stacks = self._resident_stacks(experts.reshape(-1))
             panels = self._routed_panels(stacks)
             # a narrow x on the float32 copies: widened exactly, the sums in float32, the
@@ -159,12 +162,15 @@ class ExpertFormulations(nn.Module):
             return self._chosen_of_all(x, experts)
         return self._on_gathered_weights(x, experts)
 
-    def _in_place(self, x: torch.Tensor) -> bool:
-        """Whether the chosen experts are read in place (see the module docstring)."""
+    def _in_place(self, x: torch.Tensor, tokens: int | None = None) -> bool:
+        """Whether the chosen experts are read in place (see the module docstring) by a
+        formulation holding the activations of ``tokens`` tokens at once (``x``'s, by
+        default): the whole stack and they fit ``dense_chunk_bytes``."""
+        held = x.shape[0] if tokens is None else tokens
         return (
             x.device.type == "cpu"
             and x.dtype in IN_PLACE_DTYPES
-            and self._experts_per_chunk(x.shape[0]) >= self._stack_shape()[0]
+            and self._experts_per_chunk(held) >= self._stack_shape()[0]
         )
 
     def _chosen_of_all(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:

@@ -107,7 +107,9 @@ def test_random_checkpoint_loads_in_transformers_and_ours(tmp_path: Path, tied: 
 def test_bfloat16_model_equals_transformers_in_bfloat16(tmp_path: Path) -> None:
     """Weights the reference keeps in fp32 stay fp32 here too, and rounding happens where the
     reference rounds, so the two bf16 models agree: within two bf16 units of the largest logit
-    and much closer than float32 is. (Seed 0 agrees bit for bit on AVX-512; ATen's bf16
+    and much closer than float32 is. Not packed in panels, the products are ATen's as
+    transformers' are; attention and pooling round where they round (docs/design.md, "Narrow
+    dtypes on the float32 kernels"). (Seed 0 agrees bit for bit on AVX-512; ATen's bf16
     kernels under AVX2 move it by 0.016. Of seeds 0-5, 1 and 4 differ from one position on by
     up to 0.031, half float32's distance: an open question, docs/testing.md.)"""
     save_random_checkpoint(tmp_path, DeepseekV4Config.tiny(), seed=0)

@@ -132,13 +132,12 @@ def test_an_expert_outside_the_stacks_raises_and_writes_nothing() -> None:
     assert bool((out == 7.0).all())
 
 
-def test_routed_runs_for_decode_sized_float32_steps_on_one_thread_only() -> None:
+def test_routed_runs_for_float32_steps_on_one_thread_only() -> None:
     module = _experts(4, 32, 16, seed=0)
     stacks = (in_panels(module.gate_up_proj), in_panels(module.down_proj))
     experts = torch.zeros(1, 2, dtype=torch.long)
     with torch.inference_mode():
-        assert routed_takes(torch.randn(ROUTED_TOKENS, 32), experts, *stacks)
-        assert not routed_takes(torch.randn(ROUTED_TOKENS + 1, 32), experts, *stacks)
+        assert routed_takes(torch.randn(ROUTED_TOKENS + 1, 32), experts, *stacks)
         assert not routed_takes(torch.randn(1, 32).double(), experts, *stacks)
         previous = torch.get_num_threads()
         torch.set_num_threads(2)
@@ -149,6 +148,26 @@ def test_routed_runs_for_decode_sized_float32_steps_on_one_thread_only() -> None
     assert not routed_takes(torch.randn(1, 32), experts, *stacks)  # autograd records
     with torch.inference_mode():  # the parameters as they are: not laid out in panels
         assert not routed_takes(torch.randn(1, 32), experts, module.gate_up_proj, module.down_proj)
+
+
+def test_a_step_longer_than_one_call_gives_each_tokens_own_sum() -> None:
+    """Past ``ROUTED_TOKENS`` tokens the operator runs on chunks: every token's sum is the one
+    it gets alone, bit for bit, wherever the chunks cut."""
+    module = _experts(6, 32, 16, seed=2)
+    stacks = (in_panels(module.gate_up_proj.detach()), in_panels(module.down_proj.detach()))
+    generator = torch.Generator().manual_seed(3)
+    tokens = ROUTED_TOKENS + 5
+    x = torch.randn(tokens, 32, generator=generator)
+    experts = torch.randint(0, 6, (tokens, 2), generator=generator)
+    weights = torch.rand(tokens, 2, generator=generator)
+    with torch.inference_mode():
+        whole = routed(x, experts, weights, *stacks, LIMIT)
+        for t in (0, ROUTED_TOKENS - 1, ROUTED_TOKENS, tokens - 1):
+            alone = routed(x[t : t + 1], experts[t : t + 1], weights[t : t + 1], *stacks, LIMIT)
+            assert torch.equal(whole[t : t + 1], alone)
+    exact, magnitude = _definition(module, x[-3:], experts[-3:], weights[-3:])
+    bound = 4 * (32 + 16 + 2) * 2**-24 * magnitude + 1e-30  # as for a step of one call
+    assert bool(((whole[-3:].double() - exact).abs() <= bound).all())
 
 
 def test_stacks_in_panels_hold_each_experts_columns_contiguous() -> None:
