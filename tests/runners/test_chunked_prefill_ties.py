@@ -9,8 +9,8 @@ that end at every phase of the rate-4 compression and give each step a different
 token differ between budgets by 0.009-0.074 in float32 and 0.016-0.07 in bfloat16 (ties broken
 differently at different widths); with the tie rule not at all, in either dtype (float32
 products of more than four rows go in panels at every row count, whose sums do not depend on
-it; MKL's did, by up to 1.2e-6). The cheap version of a 5,083-token check run by hand
-(budgets 64, 256 and 2,048: bit for bit the same logits in both dtypes, alone and batched).
+it; MKL's did, by up to 1.2e-6). The cheap version of ``tests.runners.long_prompt`` (5,083
+tokens at budgets 64, 256 and 2,048: bit for bit the same logits in both dtypes).
 """
 
 from __future__ import annotations
@@ -55,13 +55,14 @@ def run_budget(
     model: DeepseekV4ForCausalLM, budget: int, prompts: list[list[int]]
 ) -> tuple[list[tuple[int, ...]], torch.Tensor]:
     """Greedy tokens of every prompt, and the logits at the first prompt's last token."""
+    length = len(prompts[0])
     engine = build_engine(
         EngineSpec(
             platform="cpu",
             cudagraph_mode="NONE",
             max_num_tokens=budget,
             capture_sizes=(1, 2, 4),
-            max_model_len=len(PROMPT) + NEW_TOKENS,
+            max_model_len=max(map(len, prompts)) + NEW_TOKENS,
         ),
         model=model,
     )
@@ -71,7 +72,7 @@ def run_budget(
     def recording(chunks, token_ids):  # type: ignore[no-untyped-def]
         logits = execute(chunks, token_ids)
         for index, chunk in enumerate(chunks):
-            if chunk.row == 0 and chunk.start_position + chunk.num_tokens == len(PROMPT):
+            if chunk.row == 0 and chunk.start_position + chunk.num_tokens == length:
                 last.append(logits[index].clone())
         return logits
 
