@@ -10,7 +10,9 @@ token differ between budgets by 0.009-0.074 in float32 and 0.016-0.07 in bfloat1
 differently at different widths); with the tie rule not at all, in either dtype (float32
 products of more than four rows go in panels at every row count, whose sums do not depend on
 it; MKL's did, by up to 1.2e-6). The cheap version of ``tests.runners.long_prompt`` (5,083
-tokens at budgets 64, 256 and 2,048: bit for bit the same logits in both dtypes).
+tokens at budgets 64, 256 and 2,048: bit for bit the same logits in both dtypes). Every chunk
+here has more than four rows: a chunk of four or fewer takes the skinny products, whose sums are
+not the panels' (docs/testing.md, left open).
 """
 
 from __future__ import annotations
