@@ -26,7 +26,7 @@ import functools
 import torch
 from torch import nn
 
-from dsv4.layers import as_dtype, linear, panel_product, rms_norm, skinny
+from dsv4.layers import as_dtype, linear, panel_product, panels_for, rms_norm
 from dsv4.native import KERNELS
 from dsv4.native_ops import (
     HC_COLLAPSE_INTO,
@@ -138,8 +138,9 @@ class HyperConnection(nn.Module):
         n, tokens, eps = self.hc_mult, streams.shape[0], self.eps
         x = as_dtype(streams, torch.float32)
         width = x.shape[1] * x.shape[2]
-        if native_takes(x, self.fn, self.scale, self.base) and skinny(x, width):
-            # a decode step: norm, product, weights and collapse in one native op
+        fn_panels = panels_for(self, self._copy, self.fn, x, width)
+        if fn_panels is not None and native_takes(self.scale, self.base):
+            # norm, product (on the copy in panels), weights and collapse in one native op
             pre, post = x.new_empty(tokens, n), x.new_empty(tokens, n)
             bordered = x.new_empty(tokens, n + 1, n + 1)
             collapsed, flat = x.new_empty(tokens, x.shape[-1]), x.new_empty(tokens, width)
@@ -152,7 +153,7 @@ class HyperConnection(nn.Module):
                 flat,
                 logits,
                 x,
-                self.fn,
+                fn_panels,
                 self.scale,
                 self.base,
                 self.norm_eps,

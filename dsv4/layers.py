@@ -7,9 +7,11 @@ and on the CPU tape. On the CPU that op is ``dsv4::rms_norm_into``, one native k
 (``dsv4/_kernels.c``) where ATen's ``rms_norm`` runs six; elsewhere, where the kernels were not
 built, or where autograd records, it is ATen's ``rms_norm``.
 
-Products (``Linear``, ``GroupedLinear``) of a narrow model (``NARROW_DTYPES``) on one CPU thread
-run on their weight's float32 copy in panels at any row count: the rows widened exactly, summed
-in the kernel's one order, rounded once; the same bits on every instruction set.
+Products (``Linear``, ``GroupedLinear``) on one CPU thread run on their weight's float32 copy in
+panels (``dsv4.panels``) wherever it is held, at every row count: a narrow model's
+(``NARROW_DTYPES``) rows widened exactly, every output summed in the kernel's one order (the same
+whichever rows stand beside it and however many), rounded once; the same bits on every
+instruction set, in a decode step of one row and in a prefill chunk of a thousand.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ __all__ = [
     "as_dtype",
     "linear",
     "panel_product",
+    "panels_for",
     "read_rows",
     "rms_norm",
     "rms_normalize",
@@ -46,20 +49,22 @@ __all__ = [
 ]
 
 SKINNY_ROWS = 4
-"""Rows up to which a float32 product on one CPU thread runs the native kernel
-(``dsv4_linear_f32``, FMA: 2-3x MKL's speed at one row, 1.5-2x at four; at 8 rows level with
-it or faster, at 16 up to 1.3x slower, so MKL runs above four)."""
+"""Rows up to which a float32 product on one CPU thread *without a copy in panels* (a model that
+``dsv4.panels.pack_model`` did not pack) runs the native dot kernel (``dsv4_linear_f32``, FMA:
+2-3x MKL's speed at one row, 1.5-2x at four; at 8 rows level with it or faster, at 16 up to 1.3x
+slower, so MKL runs above four). Its sums are not the panels' order, so a packed model never
+takes it: a token's keys would then depend on whether its chunk had four rows or five."""
 
 
 BLOCK_ROWS = 64
 """Rows a float32 product in panels multiplies per read of its matrix (``MAX_BLOCK_ROWS`` of
-``dsv4/_kernels.c``). Above ``SKINNY_ROWS`` every float32 product on one CPU thread reads its
-module's copy of the weight in panels (``dsv4.panels``; ``LINEAR_PANELS_INTO``), a block of these
-rows at a time, whatever the row count: MKL's sums would depend on the row count and on the
-instruction set (a baseline x86-64 CPU's MKL differs from an AVX2 one's in the last bits), the
-panels' never do. Measured, one thread, 512 x 512 in cache, 16 rows: the kernel 81 us, 100
-GFLOP/s, MKL's ``mm`` 131 us; level with MKL at 64 rows; prefill of 2,000 tokens of ``small``
-1.53 s against MKL's 1.56 s."""
+``dsv4/_kernels.c``). Every float32 product on one CPU thread reads its module's copy of the
+weight in panels where one is held (``dsv4.panels``; ``LINEAR_PANELS_INTO``), a block of these
+rows at a time, whatever the row count, one row included: MKL's sums would depend on the row
+count and on the instruction set (a baseline x86-64 CPU's MKL differs from an AVX2 one's in the
+last bits), the dot kernel's are in another order, the panels' never change. Measured, one
+thread, 512 x 512 in cache, 16 rows: the kernel 81 us, 100 GFLOP/s, MKL's ``mm`` 131 us; level
+with MKL at 64 rows; prefill of 2,000 tokens of ``small`` 1.53 s against MKL's 1.56 s."""
 
 
 NARROW_DTYPES = (torch.bfloat16, torch.float16)
@@ -67,13 +72,6 @@ NARROW_DTYPES = (torch.bfloat16, torch.float16)
 copy in panels (``dsv4.panels.PACKED_DTYPES``: exact products, one fixed order of sums, rounded
 once): ATen's own narrow products add in an order that depends on the instruction set (oneDNN's
 with AVX-512 BF16, ATen's vectorized kernels below it)."""
-
-
-def _in_panel_rows(x: torch.Tensor, row_width: int) -> bool:
-    """Whether ``x`` is more than ``SKINNY_ROWS`` rows of ``row_width`` values, on one thread:
-    the products that read a copy in panels."""
-    rows = x.numel() // row_width if row_width else 0
-    return rows > SKINNY_ROWS and torch.get_num_threads() == 1
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -95,10 +93,10 @@ def skinny(x: torch.Tensor, row_width: int) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` (``F.linear`` without bias). At most ``SKINNY_ROWS`` rows of float32 on
-    one CPU thread (a decode step) take the native kernel, one op whose rows do not depend on
-    each other; anything else takes ATen's. (The thread count is read when the op is issued, so a
-    graph keeps the choice of its capture.)"""
+    """``x @ weight.T`` (``F.linear`` without bias) on a weight held in no panels. At most
+    ``SKINNY_ROWS`` rows of float32 on one CPU thread (a decode step) take the native dot
+    kernel, one op whose rows do not depend on each other; anything else takes ATen's. (The
+    thread count is read when the op is issued, so a graph keeps the choice of its capture.)"""
     few = x.dim() > 0 and weight.dim() == 2 and skinny(x, x.shape[-1])
     if few and native_takes(x, weight):
         out = x.new_empty(*x.shape[:-1], weight.shape[0])
@@ -107,24 +105,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-def _panels_for(
+def panels_for(
     module: nn.Module, copy: PanelCopy, weight: torch.Tensor, x: torch.Tensor, row_width: int
 ) -> torch.Tensor | None:
     """``module``'s ``copy`` of ``weight`` in panels where ``x`` (rows of ``row_width``) is one
-    native product on it, on one thread, the copy holding the weight's values: more than
-    ``SKINNY_ROWS`` contiguous float32 rows, or any rows of a narrow dtype (``NARROW_DTYPES``)
-    on a weight of that dtype; else ``None``."""
+    native product on it, on one thread, the copy holding the weight's values: any number of
+    contiguous float32 rows, or of rows of a narrow dtype (``NARROW_DTYPES``) on a weight of
+    that dtype; else ``None``."""
+    rows = x.numel() // row_width if row_width else 0
+    if rows == 0 or torch.get_num_threads() != 1:
+        return None
     if x.dtype in NARROW_DTYPES:
-        rows = x.numel() // row_width if row_width else 0
-        takes = (
-            rows > 0
-            and weight.dtype == x.dtype
-            and torch.get_num_threads() == 1
-            and x.device.type == "cpu"
-            and native_takes()  # the kernels were built, autograd is not recording
-        )
+        # the kernels were built, autograd is not recording
+        takes = weight.dtype == x.dtype and x.device.type == "cpu" and native_takes()
     else:
-        takes = _in_panel_rows(x, row_width) and native_takes(x)
+        takes = native_takes(x)
     return copy.get(module, weight) if takes else None
 
 
@@ -143,18 +138,17 @@ def panel_product(
     module: nn.Module, copy: PanelCopy, x: torch.Tensor, weight: torch.Tensor
 ) -> torch.Tensor:
     """``x @ weight.T``: one native op on ``module``'s ``copy`` of ``weight`` in panels where
-    ``_panels_for`` finds it, else ``linear``."""
-    panels = _panels_for(module, copy, weight, x, weight.shape[-1])
+    ``panels_for`` finds it, else ``linear``."""
+    panels = panels_for(module, copy, weight, x, weight.shape[-1])
     if panels is None:
         return linear(x, weight)
     return _on_panels(x, panels, weight.shape[0])
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` without bias whose forward is ``linear`` (same parameters, same checkpoint
-    names; quantized loading replaces it as it replaces ``nn.Linear``), or, above ``SKINNY_ROWS``
-    float32 rows on one thread, one native product on its copy of the weight in panels
-    (``pack_panels``)."""
+    """``nn.Linear`` without bias whose forward is one native product on its copy of the weight
+    in panels (``pack_panels``) on one CPU thread, else ``linear`` (same parameters, same
+    checkpoint names; quantized loading replaces it as it replaces ``nn.Linear``)."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
@@ -164,6 +158,13 @@ class Linear(nn.Linear):
     def pack_panels(self) -> int:
         """Keep a copy of the weight in panels (``PanelCopy``); returns the bytes it holds."""
         return self._copy.pack_matrix(self, self.weight)
+
+    def panels_for(self, x: torch.Tensor, row_width: int | None = None) -> torch.Tensor | None:
+        """The copy in panels a product of the rows of ``x`` reads (``panels_for``), else
+        ``None``; ``row_width`` (default: the in-features) is how wide those rows are, so that
+        the rows of another product may ask, row for row."""
+        width = self.in_features if row_width is None else row_width
+        return panels_for(self, self._copy, self.weight, x, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return panel_product(self, self._copy, x, self.weight)
@@ -232,12 +233,12 @@ class GroupedLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Like ``Linear``: a decode step's few float32 rows on one CPU thread take one native
-        op (each group's weights read once for all rows; above ``SKINNY_ROWS`` rows on the copy
-        in panels), anything else ATen's ``einsum``."""
+        """Like ``Linear``: on one CPU thread one native op on the copy in panels, or without
+        one, for a decode step's few float32 rows, on the weight (each group's weights read once
+        for all rows); anything else ATen's ``einsum``."""
         panels = None
         if x.dim() > 1:
-            panels = _panels_for(self, self._copy, self.weight, x, x.shape[-1] * x.shape[-2])
+            panels = panels_for(self, self._copy, self.weight, x, x.shape[-1] * x.shape[-2])
         if panels is not None:
             return _on_panels(x, panels, panels.shape[1] * panels.shape[3])
         w = self.weight.view(self.groups, -1, self.weight.shape[-1])

@@ -32,7 +32,7 @@ from torch import nn
 from dsv4.config import DeepseekV4Config
 from dsv4.expert_kernels import swiglu
 from dsv4.experts import DENSE_CHUNK_BYTES, ExpertFormulations, Experts
-from dsv4.layers import Linear, as_dtype, panel_product, read_rows, skinny
+from dsv4.layers import Linear, as_dtype, panel_product, read_rows
 from dsv4.native_ops import ROUTE_INTO, SWIGLU_MLP_INTO, native_takes
 from dsv4.panels import PanelCopy
 from dsv4.parallel import SINGLE, TensorParallel
@@ -57,18 +57,31 @@ class SharedExpert(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights = [
-            getattr(p, "weight", None) for p in (self.gate_proj, self.up_proj, self.down_proj)
-        ]
-        plain = all(type(p) is Linear for p in (self.gate_proj, self.up_proj, self.down_proj))
-        if plain and x.dim() == 2 and skinny(x, x.shape[-1]) and native_takes(x, *weights):
-            # a decode step: the three products and the activation in one native op
+        """The MLP; on one CPU thread, where each of the three products reads a copy in panels
+        (``dsv4.layers.Linear.panels_for``), all of it one native op on those copies."""
+        panels = self._fused_panels(x)
+        if panels is not None:
             inter = self.gate_proj.weight.shape[0]
             gated, upped, activated = (x.new_empty(x.shape[0], inter) for _ in range(3))
             out = torch.empty_like(x)
-            SWIGLU_MLP_INTO(out, gated, upped, activated, x, *weights, self.limit)
+            SWIGLU_MLP_INTO(out, gated, upped, activated, x, *panels, self.limit)
             return out
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+
+    def _fused_panels(
+        self, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The gate, up and down copies in panels where ``x`` (float32 ``[T, hidden]``) runs as
+        one native op (``swiglu_mlp_into``), else ``None``."""
+        projections = (self.gate_proj, self.up_proj, self.down_proj)
+        plain = all(type(p) is Linear for p in projections)  # not replaced by quantized ones
+        if not plain or x.dim() != 2 or x.dtype != torch.float32:
+            return None
+        gate, up = self.gate_proj.panels_for(x), self.up_proj.panels_for(x)
+        down = self.down_proj.panels_for(x, x.shape[-1])  # as many rows as x
+        if gate is None or up is None or down is None:
+            return None
+        return gate, up, down
 
 
 class Router(nn.Module):

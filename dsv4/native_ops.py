@@ -85,12 +85,12 @@ _LIBRARY.define(
 )
 _LIBRARY.define(
     "hc_pre_into(Tensor(a!) pre, Tensor(b!) post, Tensor(c!) bordered, Tensor(d!) collapsed, "
-    "Tensor(e!) flat, Tensor(f!) logits, Tensor x, Tensor fn, Tensor scale, Tensor base, "
+    "Tensor(e!) flat, Tensor(f!) logits, Tensor x, Tensor fn_panels, Tensor scale, Tensor base, "
     "float norm_eps, float eps, int iters) -> ()"
 )
 _LIBRARY.define(
     "swiglu_mlp_into(Tensor(a!) out, Tensor(b!) gated, Tensor(c!) upped, Tensor(d!) activated, "
-    "Tensor x, Tensor gate, Tensor up, Tensor down, float limit) -> ()"
+    "Tensor x, Tensor gate_panels, Tensor up_panels, Tensor down_panels, float limit) -> ()"
 )
 _LIBRARY.define("gather_rows_into(Tensor(a!) out, Tensor table, Tensor rows) -> ()")
 _LIBRARY.define("scatter_rows_(Tensor(a!) table, Tensor rows, Tensor values) -> ()")
@@ -602,6 +602,15 @@ def _bind_pool(
     )
 
 
+def _one_matrix_in_panels(panels: torch.Tensor, depth: int, width: int) -> int | None:
+    """The panel width of ``panels`` where it holds one ``depth`` x ``width`` matrix in panels
+    (``[1, width / panel, depth, panel]``, ``dsv4.panels.in_panels``), else ``None``."""
+    if panels.dim() != 4 or panels.shape[0] != 1 or panels.shape[2] != depth:
+        return None
+    panel = panels.shape[3]
+    return panel if panel > 0 and panels.shape[1] * panel == width else None
+
+
 def _bind_hc_pre(
     pre: torch.Tensor,
     post: torch.Tensor,
@@ -610,7 +619,7 @@ def _bind_hc_pre(
     flat: torch.Tensor,
     logits: torch.Tensor,
     x: torch.Tensor,
-    fn: torch.Tensor,
+    fn_panels: torch.Tensor,
     scale: torch.Tensor,
     base: torch.Tensor,
     norm_eps: float,
@@ -620,19 +629,22 @@ def _bind_hc_pre(
     assert KERNELS is not None
     tokens, n, hidden = x.shape
     mixing = (2 + n) * n
+    panel = _one_matrix_in_panels(fn_panels, n * hidden, mixing)
     _require(
-        pre.shape == post.shape == (tokens, n)
+        panel is not None
+        and pre.shape == post.shape == (tokens, n)
         and bordered.shape == (tokens, n + 1, n + 1)
         and collapsed.shape == (tokens, hidden)
         and flat.shape == (tokens, n * hidden)
         and logits.shape == (tokens, mixing)
-        and fn.shape == (mixing, n * hidden)
         and scale.shape == (3,)
         and base.shape == (mixing,),
         "hc_pre_into",
-        "x [T, n, D], fn [(2 + n) n, n D], scale [3], base [(2 + n) n] and outputs to match",
+        "x [T, n, D], fn_panels [1, (2 + n) n / P, n D, P], scale [3], base [(2 + n) n] and "
+        "outputs to match",
     )
-    tensors = (pre, post, bordered, collapsed, flat, logits, x, fn, scale, base)
+    assert panel is not None
+    tensors = (pre, post, bordered, collapsed, flat, logits, x, fn_panels, scale, base)
     return bound_call(
         KERNELS.dsv4_hc_pre_f32,
         tensors,
@@ -640,6 +652,8 @@ def _bind_hc_pre(
         tokens,
         n,
         hidden,
+        panel,
+        mixing // panel,
         norm_eps,
         eps,
         iters,
@@ -652,23 +666,27 @@ def _bind_swiglu_mlp(
     upped: torch.Tensor,
     activated: torch.Tensor,
     x: torch.Tensor,
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    down: torch.Tensor,
+    gate_panels: torch.Tensor,
+    up_panels: torch.Tensor,
+    down_panels: torch.Tensor,
     limit: float,
 ) -> BoundCall:
     assert KERNELS is not None
     tokens, hidden = x.shape
-    inter = gate.shape[0]
+    inter = gated.shape[-1]
+    inter_panel = _one_matrix_in_panels(gate_panels, hidden, inter)
+    hidden_panel = _one_matrix_in_panels(down_panels, inter, hidden)
     _require(
-        gate.shape == up.shape == (inter, hidden)
-        and down.shape == (hidden, inter)
+        inter_panel is not None
+        and hidden_panel is not None
+        and up_panels.shape == gate_panels.shape
         and out.shape == x.shape
         and gated.shape == upped.shape == activated.shape == (tokens, inter),
         "swiglu_mlp_into",
-        "x [T, D], gate and up [I, D], down [D, I] and outputs to match",
+        "x [T, D], gate_panels and up_panels [1, I / P, D, P], down_panels [1, D / Q, I, Q] "
+        "and outputs to match",
     )
-    tensors = (out, gated, upped, activated, x, gate, up, down)
+    tensors = (out, gated, upped, activated, x, gate_panels, up_panels, down_panels)
     return bound_call(
         KERNELS.dsv4_swiglu_mlp_f32,
         tensors,
@@ -676,6 +694,8 @@ def _bind_swiglu_mlp(
         tokens,
         hidden,
         inter,
+        inter_panel,
+        hidden_panel,
         limit,
     )
 

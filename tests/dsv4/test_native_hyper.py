@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from dsv4 import native
 from dsv4.hyper import HyperConnection, HyperHead, mix
-from dsv4.layers import SKINNY_ROWS, linear, rms_norm
-from dsv4.native_ops import HC_COLLAPSE_INTO, HC_WEIGHTS_INTO
+from dsv4.layers import SKINNY_ROWS, rms_norm
+from dsv4.native_ops import HC_COLLAPSE_INTO, HC_WEIGHTS_INTO, LINEAR_PANELS_INTO
 from graphs.op_count import OpCounter
 
 pytestmark = pytest.mark.skipif(native.KERNELS is None, reason=native.reason)
@@ -63,26 +63,30 @@ def test_the_native_mixing_weights_collapse_and_mix_equal_atens(
     assert bool(((aten.double() - (spread_term + carried)).abs() <= bound).all())
 
 
-def test_a_decode_steps_hyper_connection_is_one_native_op_and_the_mix_one() -> None:
-    """Up to ``SKINNY_ROWS`` tokens on one thread, the norm, the mixing logits' product, the
-    weights and the collapse are one op (``hc_pre_into``), equal bit for bit to the four native
-    ops it runs in order, which a step of more tokens issues (its product then MKL's)."""
-    hc, streams, output = _hyper(4, 32, 20, 0.5, 0), torch.randn(2, 4, 32), torch.randn(2, 32)
-    counter, mixing = OpCounter(), OpCounter()
+@pytest.mark.parametrize("tokens", [1, SKINNY_ROWS, SKINNY_ROWS + 1, 70])
+def test_a_packed_hyper_connection_is_one_native_op_and_the_mix_one(tokens: int) -> None:
+    """With ``fn`` packed in panels, at any token count on one thread, the norm, the mixing
+    logits' product, the weights and the collapse are one op (``hc_pre_into``), equal bit for
+    bit to the four native ops it runs in order (the product on the copy in panels). Unpacked,
+    a step issues those four ops, the product on ``fn`` itself."""
+    hc, output = _hyper(4, 32, 20, 0.5, 0), torch.randn(tokens, 32)
+    streams = torch.randn(tokens, 4, 32)
+    counter, mixing, unpacked = OpCounter(), OpCounter(), OpCounter()
     with torch.inference_mode():
+        with unpacked:
+            hc(streams)
+        assert hc.pack_panels() > 0 and hc.fn_panels is not None
         with counter:
             post, comb_t, collapsed = hc(streams)
         with mixing:
             mix(streams, post, comb_t, output)
         flat = rms_norm(streams.flatten(1), None, hc.norm_eps)
-        logits = linear(flat, hc.fn)
-        pre, post_apart = torch.empty(2, 4), torch.empty(2, 4)
-        bordered, collapsed_apart = torch.empty(2, 5, 5), torch.empty(2, 32)
+        logits = torch.empty(tokens, hc.fn.shape[0])
+        LINEAR_PANELS_INTO(logits, flat, hc.fn_panels)
+        pre, post_apart = torch.empty(tokens, 4), torch.empty(tokens, 4)
+        bordered, collapsed_apart = torch.empty(tokens, 5, 5), torch.empty(tokens, 32)
         HC_WEIGHTS_INTO(pre, post_apart, bordered, logits, hc.scale, hc.base, hc.eps, 20)
         HC_COLLAPSE_INTO(collapsed_apart, pre, streams)
-        wider = OpCounter()
-        with wider:
-            hc(torch.randn(SKINNY_ROWS + 1, 4, 32))
     assert {k: v for k, v in counter.by_name.items() if k not in _VIEWS_AND_EMPTY} == {
         "hc_pre_into": 1
     }
@@ -91,7 +95,9 @@ def test_a_decode_steps_hyper_connection_is_one_native_op_and_the_mix_one() -> N
     assert {k: v for k, v in mixing.by_name.items() if k not in _VIEWS_AND_EMPTY} == {
         "hc_mix_into": 1
     }
-    assert {"rms_norm_into", "hc_weights_into", "hc_collapse_into"} <= set(wider.by_name)
+    apart = {"rms_norm_into", "hc_weights_into", "hc_collapse_into"}
+    product = "linear_into" if tokens <= SKINNY_ROWS else "mm"
+    assert apart | {product} <= set(unpacked.by_name)
 
 
 _VIEWS_AND_EMPTY = frozenset({"view", "t", "slice", "transpose", "empty_like", "new_empty"})

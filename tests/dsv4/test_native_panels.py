@@ -1,8 +1,9 @@
 """Products on weights packed in panels (``dsv4.panels``): ``Linear`` and ``GroupedLinear`` read
-their copy for more than ``SKINNY_ROWS`` float32 rows on one thread, in blocks of ``BLOCK_ROWS``.
-Each output is one float32 sum of fused multiply-adds (within a float32 sum's bound of the
-float64 definition), a row's result does not depend on the rows beside it, and the copy is read
-only while the weight holds what it was packed from."""
+their copy for any number of float32 rows on one thread, in blocks of ``BLOCK_ROWS``. Each
+output is one float32 sum of fused multiply-adds (within a float32 sum's bound of the float64
+definition), a row's result does not depend on the rows beside it nor on how many there are (one
+row alone equals its row among a hundred), and the copy is read only while the weight holds what
+it was packed from."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def _ops(module: torch.nn.Module, x: torch.Tensor) -> dict[str, int]:
 
 
 @given(
-    rows=st.integers(SKINNY_ROWS + 1, 2 * BLOCK_ROWS + 3),
+    rows=st.integers(1, 2 * BLOCK_ROWS + 3),
     in_features=st.integers(1, 200),
     out_features=st.sampled_from([1, 5, 16, 24, 33, 63, PANEL, 2 * PANEL, 3 * PANEL]),
     spread=st.sampled_from([1e-3, 1.0, 1e3]),
@@ -54,14 +55,13 @@ def test_a_product_in_panels_is_within_a_float32_sums_bound_and_rows_are_indepen
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(seed)) * spread
     with torch.inference_mode():
         got = module(x)
-        padded = [
-            module(x[m : m + 1].expand(SKINNY_ROWS + 1, -1).contiguous()) for m in range(rows)
-        ]
+        alone = [module(x[m : m + 1]) for m in range(rows)]
     assert _ops(module, x).get("linear_panels_into") == 1
+    assert _ops(module, x[:1]).get("linear_panels_into") == 1
     exact = x.double() @ module.weight.double().T
     magnitude = x.double().abs() @ module.weight.double().abs().T
     assert bool(((got.double() - exact).abs() <= in_features * 2**-24 * magnitude).all())
-    assert all(torch.equal(got[m], row[0]) for m, row in enumerate(padded))
+    assert all(torch.equal(got[m], row[0]) for m, row in enumerate(alone))
 
 
 def test_the_grouped_product_in_panels_is_each_groups_product() -> None:
@@ -98,11 +98,11 @@ def test_the_copy_is_read_only_while_the_weight_holds_what_it_was_packed_from() 
     assert "weight_panels" not in module.state_dict()
 
 
-def test_only_more_than_skinny_rows_on_one_thread_read_the_copy() -> None:
+def test_every_row_count_on_one_thread_reads_the_copy() -> None:
     module = _linear(16, 2 * PANEL, seed=2)
     pack_model(module)
-    for rows, native_rows in ((SKINNY_ROWS, False), (BLOCK_ROWS, True), (3 * BLOCK_ROWS + 1, True)):
-        assert ("linear_panels_into" in _ops(module, torch.randn(rows, 16))) is native_rows
+    for rows in (1, SKINNY_ROWS, SKINNY_ROWS + 1, BLOCK_ROWS, 3 * BLOCK_ROWS + 1):
+        assert _ops(module, torch.randn(rows, 16)).get("linear_panels_into") == 1
     assert "linear_panels_into" not in _ops(module, torch.randn(8, 32)[:, ::2])  # strided rows
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -187,7 +187,13 @@ def _randomized(module: torch.nn.Module, seed: int) -> torch.nn.Module:
     return module
 
 
-def test_the_router_and_hyper_connections_read_their_copies_for_panel_sized_steps() -> None:
+@pytest.mark.parametrize("tokens", [1, SKINNY_ROWS + 4])
+def test_the_router_and_hyper_connections_read_their_copies_at_every_step_size(
+    tokens: int,
+) -> None:
+    """One native op on the copy each: the router's and the head's products
+    (``linear_panels_into``), the hyper-connection's norm, product, weights and collapse
+    (``hc_pre_into``, which only ever reads a copy in panels)."""
     config = DeepseekV4Config.tiny()
     hidden, n = config.hidden_size, config.hc_mult
     router = _randomized(Router(config, hashed=False), 0)
@@ -198,17 +204,20 @@ def test_the_router_and_hyper_connections_read_their_copies_for_panel_sized_step
         1,
     )
     head = _randomized(HyperHead(n, hidden, eps=1e-6, norm_eps=1e-6), 2)
-    x, streams = torch.randn(SKINNY_ROWS + 4, hidden), torch.randn(SKINNY_ROWS + 4, n, hidden)
-    calls = [(router, (x, torch.zeros(x.shape[0], dtype=torch.long))), (connection, (streams,))]
-    calls.append((head, (streams,)))
-    for module, args in calls:
+    x, streams = torch.randn(tokens, hidden), torch.randn(tokens, n, hidden)
+    calls = [
+        (router, (x, torch.zeros(x.shape[0], dtype=torch.long)), "linear_panels_into"),
+        (connection, (streams,), "hc_pre_into"),
+        (head, (streams,), "linear_panels_into"),
+    ]
+    for module, args, operator in calls:
         with torch.inference_mode():
             before = module(*args)
         assert pack_model(module) > 0
         counter = OpCounter()
         with torch.inference_mode(), counter:
             after = module(*args)
-        assert counter.by_name["linear_panels_into"] == 1, type(module).__name__
+        assert counter.by_name[operator] == 1, type(module).__name__
         for a, b in zip(
             before if isinstance(before, tuple) else (before,),
             after if isinstance(after, tuple) else (after,),
