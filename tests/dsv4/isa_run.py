@@ -2,8 +2,8 @@
 a file: run once per instruction set the CPU has, with ``dsv4_isa.environment_for`` it.
 
 - ``steps``: the logits of every step of four prompts (9 to 300 tokens) on the built-in tiny
-  model, one 512-token budget and one of 64 (prefills in skinny products, in panels of a
-  block and of several blocks; decode steps of 1 to 4 requests): every native kernel.
+  model, one 512-token budget and one of 64 (prefill chunks of a few rows, of a block of
+  panel rows and of several blocks; decode steps of 1 to 4 requests): every native kernel.
 - ``matrix``: ``dsv4 matrix --platform cpu --json``'s cells (status, max diff).
 - ``ties``: the tie suite's runs (``tests/runners/test_chunked_prefill_ties``): tokens and the
   last prompt token's logits at every budget, alone and batched, float32 and bfloat16.

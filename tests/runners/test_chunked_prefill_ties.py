@@ -17,6 +17,7 @@ chunks are all of three rows or fewer, the others' of more. The cheap version of
 ``tests.runners.long_prompt`` (5,083 tokens at budgets 64, 256 and 2,048: bit for bit the same
 logits in both dtypes).
 """
+
 from __future__ import annotations
 
 import attrs
