@@ -33,6 +33,7 @@ def test_native_ops_replay_bound_to_their_addresses_and_equal_eager() -> None:
     hc = HyperConnection(4, 16, sinkhorn_iters=20, eps=1e-6, norm_eps=1e-6)
     with torch.no_grad():
         hc.fn.copy_(torch.randn(hc.fn.shape, generator=generator) * 0.1)
+    assert hc.pack_panels() > 0  # its norm, product, weights and collapse: one op
     streams, gate_up = torch.randn(3, 4, 16, generator=generator), torch.randn(3, 32)
     weight = torch.randn(16, generator=generator)
     with torch.inference_mode():
@@ -41,7 +42,7 @@ def test_native_ops_replay_bound_to_their_addresses_and_equal_eager() -> None:
         (segment,) = capture.segments
         assert isinstance(segment, TapeSegment)
         bound = [step for step in segment._steps if hasattr(step, "tensors")]
-        # the hyper-connection's weights and collapse (one op for 3 tokens), rms norm, swiglu, mix
+        # the hyper-connection (one op on its copy in panels), rms norm, swiglu, mix
         assert len(bound) == 4
         for seed in (1, 2):
             streams.copy_(torch.randn(3, 4, 16, generator=generator) * seed)
